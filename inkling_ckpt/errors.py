@@ -1,0 +1,37 @@
+"""One exception hierarchy. The CLI prints ``str(error)`` on one line and exits non-zero."""
+
+from __future__ import annotations
+
+
+class InklingError(Exception):
+    """Base of every error the toolkit raises on purpose (bad input, bad plan, bad output)."""
+
+    exit_code = 2
+
+
+class FormatError(InklingError):
+    """A tensor cannot be encoded/decoded: unknown format, width not a block multiple, bad parts."""
+
+
+class NonFiniteError(FormatError):
+    """NaN or Inf in a tensor being quantized (pass ``allow_nonfinite`` to keep them)."""
+
+
+class PlanError(InklingError):
+    """A precision plan or a parallel (TP/EP) plan that does not fit the model."""
+
+
+class ConfigError(InklingError):
+    """A model config that is missing fields or holds impossible values."""
+
+
+class CheckpointError(InklingError):
+    """A checkpoint on disk that is malformed, incomplete or disagrees with its config."""
+
+
+class IntegrityError(CheckpointError):
+    """Checksums or sizes that do not match what a manifest or index promises."""
+
+
+class OutputError(InklingError):
+    """The destination cannot be written (exists, read-only, full)."""
