@@ -1,0 +1,164 @@
+"""Shared plumbing of the codecs: the Format interface, input checks, row chunking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import FormatError, NonFiniteError
+
+Parts = dict[str, torch.Tensor]
+PartSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+#: Inputs the quantizing codecs accept (no silent casts from anything else).
+FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+#: Elements per row chunk. Small enough that a chunk's float32 temporaries stay in cache
+#: (the codecs are memory-bound; 4x faster than whole-tensor passes on a 2-core CPU) and memory
+#: stays bounded whatever the tensor size; large enough that per-op overhead is negligible.
+CHUNK_ELEMS = 1 << 17
+
+
+class Format:
+    """A tensor storage format: how one logical ``[..., in]`` weight is laid out on disk.
+
+    Subclasses set ``name``, ``block`` and ``quant_algo`` and implement ``parts``,
+    ``_encode`` and ``decode``.
+    """
+
+    name: str
+    block: int
+    quant_algo: str | None
+
+    # -- interface ------------------------------------------------------------------------
+    def parts(self, shape: Sequence[int]) -> PartSpec:
+        """On-disk tensors (HF suffix -> (shape, dtype)) for a logical weight of ``shape``, in on-disk order."""
+        raise NotImplementedError
+
+    def encode(
+        self,
+        x: torch.Tensor,
+        *,
+        name: str = "tensor",
+        weight_scale_2: torch.Tensor | float | None = None,
+        global_amax: torch.Tensor | float | None = None,
+        input_scale: torch.Tensor | float | None = None,
+        allow_nonfinite: bool = False,
+    ) -> Parts:
+        """Encode ``x`` (``[..., in]``, bf16/fp16/fp32) into this format's parts, on x's device."""
+        raise NotImplementedError
+
+    def encode_group(
+        self,
+        xs: Sequence[torch.Tensor],
+        *,
+        names: Sequence[str] | None = None,
+        **kw: Any,
+    ) -> list[Parts]:
+        """Encode a fused group (e.g. an expert's gate_proj and up_proj). Default: each on its own."""
+        names = _group_names(xs, names)
+        return [self.encode(x, name=n, **kw) for x, n in zip(xs, names)]
+
+    def decode(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """Decode parts back to a ``dtype`` tensor (computed in float32, then cast)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<Format {self.name}>"
+
+
+# -- helpers shared by the codecs ---------------------------------------------------------
+
+
+def _group_names(xs: Sequence[torch.Tensor], names: Sequence[str] | None) -> list[str]:
+    if names is None:
+        return [f"tensor[{i}]" for i in range(len(xs))]
+    names = list(names)
+    if len(names) != len(xs):
+        raise FormatError(f"encode_group: {len(xs)} tensors but {len(names)} names")
+    return names
+
+
+def check_width(fmt_name: str, shape: Sequence[int], block: int) -> tuple[int, int]:
+    """(rows, width) of a ``[..., width]`` shape; FormatError unless width is a multiple of block."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) < 1:
+        raise FormatError(f"{fmt_name}: a 0-d tensor cannot be block-quantized (shape ())")
+    width = shape[-1]
+    if width % block != 0 or width == 0:
+        raise FormatError(
+            f"{fmt_name}: input width {width} (shape {list(shape)}) is not a positive multiple "
+            f"of the block size {block}"
+        )
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return rows, width
+
+
+def check_input(fmt_name: str, x: torch.Tensor, name: str, block: int) -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise FormatError(f"{fmt_name}: {name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_INPUTS:
+        raise FormatError(
+            f"{fmt_name}: {name}: cannot quantize dtype {x.dtype}; expected one of "
+            f"{', '.join(str(d) for d in FLOAT_INPUTS)}"
+        )
+    try:
+        return check_width(fmt_name, x.shape, block)
+    except FormatError as e:
+        raise FormatError(f"{e} [{name}]") from None
+
+
+def raise_nonfinite(x: torch.Tensor, name: str) -> None:
+    """Raise NonFiniteError naming ``name``, the first bad index and the count (x is known to hold some)."""
+    bad = ~torch.isfinite(x)
+    count = int(bad.sum())
+    flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape))
+    value = float(x.reshape(-1)[flat])
+    raise NonFiniteError(
+        f"{name}: non-finite value {value} at index {index} ({count} non-finite of {x.numel()}); "
+        f"pass allow_nonfinite to encode them as NaN blocks"
+    )
+
+
+def row_chunks(rows: int, width: int, chunk_elems: int = CHUNK_ELEMS) -> Iterator[tuple[int, int]]:
+    """(start, stop) row ranges of at most ~chunk_elems elements (at least one row each)."""
+    step = max(1, chunk_elems // max(1, width))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def scalar_f32(v: torch.Tensor | float, device: torch.device, what: str) -> torch.Tensor:
+    """A 0-d float32 tensor from a Python number or a 0-d / one-element tensor (value kept verbatim)."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1:
+            raise FormatError(f"{what}: expected a scalar, got shape {list(v.shape)}")
+        if not v.is_floating_point():
+            raise FormatError(f"{what}: expected a float scalar, got {v.dtype}")
+        return v.detach().reshape(()).to(device=device, dtype=torch.float32)
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        raise FormatError(f"{what}: expected a number, got {type(v).__name__}") from None
+    return torch.tensor(f, dtype=torch.float32, device=device)
+
+
+def require_parts(fmt_name: str, parts: Mapping[str, torch.Tensor], spec: Mapping[str, torch.dtype]) -> None:
+    missing = [k for k in spec if k not in parts]
+    if missing:
+        raise FormatError(f"{fmt_name}: missing parts {missing} (got {sorted(parts)})")
+    for k, dt in spec.items():
+        t = parts[k]
+        if not isinstance(t, torch.Tensor):
+            raise FormatError(f"{fmt_name}: part {k!r} is not a tensor")
+        if t.dtype != dt:
+            raise FormatError(f"{fmt_name}: part {k!r} has dtype {t.dtype}, expected {dt}")
+
+
+def check_out_dtype(dtype: torch.dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise FormatError(f"decode: target dtype must be a float dtype, got {dtype}")
