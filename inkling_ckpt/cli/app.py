@@ -1,0 +1,44 @@
+"""The ``inkling-ckpt`` command: a thin typer layer over the library.
+
+Every command module registers itself on :data:`app`; :func:`main` turns each
+:class:`~inkling_ckpt.errors.InklingError` into one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from ..errors import InklingError
+
+app = typer.Typer(
+    name="inkling-ckpt",
+    help="Convert, quantize (NVFP4/MXFP8), shard and verify Inkling 2 Small checkpoints.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _register() -> None:
+    # Import for their side effect: each module adds its commands to ``app``.
+    from . import checkpoint  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    _register()
+    try:
+        app(args=argv, standalone_mode=True)
+    except InklingError as e:
+        print(f"inkling-ckpt: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("inkling-ckpt: interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

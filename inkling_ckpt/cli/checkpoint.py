@@ -1,0 +1,123 @@
+"""Commands on one HF checkpoint: make-fixture, inspect, quantize, dequantize."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..convert.requantize import Result, requantize
+from ..errors import PlanError
+from ..verify.inspect import inspect_checkpoint, render_inspect
+from ..layouts.hf import HFCheckpoint, parse_size
+from ..model.precision import PrecisionPlan
+from ..model.presets import PRESETS, preset_plan
+from ..model.synth import SynthSource
+from .app import app
+
+
+class Variant(str, Enum):
+    bf16 = "bf16"
+    mixed = "mixed"
+    mxfp8 = "mxfp8"
+    nvfp4 = "nvfp4"
+
+
+class Size(str, Enum):
+    tiny = "tiny"
+    small = "small"
+    wide = "wide"
+
+
+SHARD_OPT = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")
+FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output.")
+QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
+
+
+def report(result: Result, what: str) -> None:
+    """One summary line (and notes) for a finished, resumed or skipped job."""
+    if result.skipped:
+        typer.echo(f"{result.dst}: already holds this {what}; nothing to do (--force to redo)")
+        return
+    how = "resumed and finished" if result.resumed else "wrote"
+    typer.echo(f"{how} {result.dst}: {result.tensors} tensors, {result.bytes / 2**20:.1f} MiB")
+    for note in result.notes:
+        typer.echo(f"note: {note}")
+
+
+@app.command("make-fixture")
+def make_fixture(
+    out: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
+    variant: Variant = typer.Option(Variant.bf16, help="bf16, mixed (NVFP4 then MXFP8 layers), mxfp8 or nvfp4."),
+    size: Size = typer.Option(Size.tiny, help="tiny (a few MB), small, or wide (real 2304x4608 experts, GBs)."),
+    layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
+    experts: Optional[int] = typer.Option(None, help="Override the number of routed experts."),
+    max_shard_size: str = typer.Option("2MB", "--max-shard-size", help="Largest shard (small, to exercise sharding)."),
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Write a deterministic, Inkling-2-shaped HF checkpoint with trained-looking weights.
+
+    The quantized variants are exactly what `quantize` makes of the BF16 one.
+    """
+    src = SynthSource(size.value, layers=layers, experts=experts)
+    plan = PrecisionPlan.parse(preset_plan(size.value, variant.value, src.cfg.num_hidden_layers), src.cfg.num_hidden_layers)
+    result = requantize(src, out, plan, max_shard_size=parse_size(max_shard_size), force=force,
+                        progress=not quiet, command="make-fixture")
+    report(result, "fixture")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    ckpt: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Variant, precision plan, tensors per layer and format, and bytes — from headers only."""
+    info = inspect_checkpoint(HFCheckpoint.open(ckpt))
+    typer.echo(json.dumps(info, indent=2) if as_json else render_inspect(info))
+
+
+def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
+    return PrecisionPlan.parse(text, src.cfg.num_hidden_layers)
+
+
+@app.command("quantize")
+def quantize(
+    src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
+    dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
+    plan: str = typer.Option(..., "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or mxfp8."),
+    max_shard_size: str = SHARD_OPT,
+    allow_nonfinite: bool = NONFINITE_OPT,
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
+    ckpt = HFCheckpoint.open(src)
+    result = requantize(ckpt, dst, _plan_for(ckpt, plan), max_shard_size=parse_size(max_shard_size),
+                        allow_nonfinite=allow_nonfinite, force=force, progress=not quiet, command="quantize")
+    report(result, "quantization")
+
+
+@app.command("dequantize")
+def dequantize(
+    src: str = typer.Argument(..., help="Quantized HF checkpoint."),
+    dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),
+    max_shard_size: str = SHARD_OPT,
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Decode every routed expert to BF16."""
+    ckpt = HFCheckpoint.open(src)
+    if ckpt.plan.variant == "bf16":
+        raise PlanError(f"{src} is already BF16")
+    result = requantize(ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
+                        max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet,
+                        command="dequantize")
+    report(result, "dequantization")
+
+
+__all__ = ["PRESETS", "report"]

@@ -1,0 +1,403 @@
+"""Hugging Face safetensors checkpoints: a lazy, validated reader and a streaming writer.
+
+Reader: parses every shard header (no tensor data) and checks the whole index against the
+model table before any work starts; tensors are read one at a time through ``safe_open``.
+Writer: plans the shards from the tensor inventory up front (``huggingface_hub`` splits them),
+writes each shard's header first and then every tensor at its offset as it arrives, so memory
+is bounded by one tensor, not one shard; a shard counts as finished only once complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+from huggingface_hub import split_state_dict_into_shards_factory
+from safetensors import SafetensorError, safe_open
+
+from ..errors import CheckpointError, ConfigError, OutputError
+from ..model.config import InklingConfig, read_json
+from ..model.inventory import TensorSpec, inventory, match_name
+from ..model.precision import PrecisionPlan
+from ..model.quant_config import plan_from_quant_config
+from .staging import DONE_FILE, JOB_FILE, Staging
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+QUANT_CONFIG = "hf_quant_config.json"
+SHARD_PATTERN = "model{suffix}.safetensors"
+DEFAULT_MAX_SHARD = "5GB"
+
+DTYPE_TO_ST = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+    torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
+# Files a writer produces itself; everything else at the top of a source folder is copied through.
+_OWN_FILES = {INDEX, SINGLE, "config.json", QUANT_CONFIG, DONE_FILE, JOB_FILE}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor lives in a checkpoint and what its header says."""
+
+    name: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A local folder, or a hub repo id fetched with only the files a checkpoint needs."""
+    p = Path(source)
+    if p.exists():
+        if not p.is_dir():
+            raise CheckpointError(f"{p}: not a checkpoint folder")
+        return p
+    text = str(source)
+    if text.count("/") == 1 and not text.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
+        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+            raise CheckpointError(f"{text}: not a local folder and not fetchable from the hub ({type(e).__name__})") from None
+    raise CheckpointError(f"{p}: no such checkpoint folder")
+
+
+class HFCheckpoint:
+    """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
+
+    def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, hf_quant: dict[str, Any] | None,
+                 plan: PrecisionPlan, tensors: dict[str, StoredTensor]):
+        self.root = root
+        self.config = config
+        self.cfg = cfg
+        self.hf_quant = hf_quant
+        self.plan = plan
+        self.tensors = tensors
+        self._handles: OrderedDict[str, Any] = OrderedDict()
+
+    @classmethod
+    def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
+        """Read config, quantization config and every shard header; validate against the model table."""
+        root = resolve_source(source)
+        config = read_json(root / "config.json")
+        cfg = InklingConfig.from_dict(config)
+        hf_quant = read_json(root / QUANT_CONFIG) if (root / QUANT_CONFIG).is_file() else None
+        plan = plan_from_quant_config(cfg, hf_quant, config.get("quantization_config"))
+        files = _weight_map(root)
+        tensors: dict[str, StoredTensor] = {}
+        by_file: dict[str, list[str]] = {}
+        for name, f in files.items():
+            by_file.setdefault(f, []).append(name)
+        for f, names in by_file.items():
+            header = read_header(root / f)
+            for name in names:
+                if name not in header:
+                    raise CheckpointError(f"{root / f}: index lists {name} but the shard does not hold it")
+            for name, st in header.items():
+                if name not in files:
+                    raise CheckpointError(f"{root / f}: holds {name}, which the index does not list")
+                tensors[name] = StoredTensor(name, f, st[0], st[1])
+        ckpt = cls(root, config, cfg, hf_quant, plan, tensors)
+        if validate:
+            ckpt.validate()
+        return ckpt
+
+    def expected(self) -> list[TensorSpec]:
+        """The inventory this checkpoint must hold, given its config and plan."""
+        return inventory(self.cfg, self.plan)
+
+    def validate(self) -> None:
+        """Every expected tensor present with the right shape and dtype, nothing unexpected."""
+        check_against_inventory(self.tensors, self.expected(), where=str(self.root))
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one whole tensor (a fresh CPU tensor)."""
+        st = self.tensors.get(name)
+        if st is None:
+            raise CheckpointError(f"{self.root}: no tensor {name}")
+        try:
+            t = self._handle(st.file).get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.root / st.file}: cannot read {name} ({e})") from None
+        return t
+
+    def get_slice(self, name: str):
+        """A lazy slice handle (``[a:b]`` reads only those rows)."""
+        st = self.tensors[name]
+        return self._handle(st.file).get_slice(name)
+
+    def parts(self, module: str, part_names: Iterable[str]) -> dict[str, torch.Tensor]:
+        return {p: self.get(f"{module}.{p}") for p in part_names}
+
+    def _handle(self, file: str):
+        h = self._handles.get(file)
+        if h is None:
+            try:
+                h = safe_open(str(self.root / file), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{self.root / file}: cannot open ({e})") from None
+            self._handles[file] = h
+            # A handle maps its file; keep a few open so memory stays bounded by the OS page cache.
+            while len(self._handles) > 4:
+                self._handles.popitem(last=False)
+        else:
+            self._handles.move_to_end(file)
+        return h
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def extra_files(self) -> dict[str, bytes]:
+        """Top-level files a writer copies through (tokenizer, generation config, ...)."""
+        return {p.name: p.read_bytes() for p in sorted(self.root.iterdir())
+                if p.is_file() and p.name not in _OWN_FILES and not p.name.endswith(".safetensors")
+                and not p.name.startswith(".")}
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies this source for resume fingerprints: its tensor layout and file sizes."""
+        files = sorted({t.file for t in self.tensors.values()})
+        return {"root": str(self.root.resolve()), "plan": str(self.plan),
+                "files": {f: (self.root / f).stat().st_size for f in files}}
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def check_against_inventory(tensors: Mapping[str, StoredTensor], expected: Sequence[TensorSpec], where: str) -> None:
+    """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
+    want = {s.name: s for s in expected}
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        known = match_name(extra[0])
+        why = "not part of the Inkling 2 tensor table" if known is None else "not expected under this config and precision plan"
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]}{more}: {why}")
+    missing = [n for n in want if n not in tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{where}: missing tensor {missing[0]}{more}")
+    for name, spec in want.items():
+        st = tensors[name]
+        if st.shape != spec.shape or st.dtype != spec.dtype:
+            raise CheckpointError(
+                f"{where}: {name} is {DTYPE_TO_ST.get(st.dtype, st.dtype)} {list(st.shape)}, the config and plan "
+                f"say {DTYPE_TO_ST.get(spec.dtype, spec.dtype)} {list(spec.shape)}"
+            )
+
+
+def _weight_map(root: Path) -> dict[str, str]:
+    index = root / INDEX
+    if index.is_file():
+        data = read_json(index)
+        wm = data.get("weight_map")
+        if not isinstance(wm, dict) or not wm:
+            raise CheckpointError(f"{index}: no weight_map")
+        resolved_root = root.resolve()
+        for name, f in wm.items():
+            if not isinstance(f, str):
+                raise CheckpointError(f"{index}: entry {name} is not a file name")
+            target = (root / f).resolve()
+            if target.parent != resolved_root and resolved_root not in target.parents:
+                raise CheckpointError(f"{index}: {name} points outside the checkpoint folder ({f})")
+            if not target.is_file():
+                raise CheckpointError(f"{index}: {name} is in {f}, which is missing")
+        return dict(wm)
+    if (root / SINGLE).is_file():
+        return {name: SINGLE for name in read_header(root / SINGLE)}
+    raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE}")
+
+
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Names, shapes and dtypes of a safetensors file, from its header only.
+
+    The header's offsets are checked against the file size so a truncated shard is caught
+    before any tensor is read.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 * 2**20):
+                raise CheckpointError(f"{path}: corrupted safetensors header (length {n})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        raise CheckpointError(f"{path}: corrupted safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupted safetensors header")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - n
+    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    end = 0
+    for name, info in header.items():
+        try:
+            dtype = ST_TO_DTYPE[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            a, b = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: corrupted safetensors header entry {name}") from None
+        nbytes = dtype.itemsize
+        for s in shape:
+            nbytes *= s
+        if b - a != nbytes or a < 0:
+            raise CheckpointError(f"{path}: header of {name} disagrees with its shape and dtype")
+        end = max(end, b)
+        out[name] = (shape, dtype)
+    if end > data_len:
+        raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
+    return out
+
+
+# ---- writer -------------------------------------------------------------------------------
+
+
+def _st_header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offsets: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for name, shape, dtype in entries:
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets[name] = (pos, pos + n)
+        pos += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(blob)) + blob, offsets
+
+
+class _Shard:
+    def __init__(self, file: str, names: list[str], specs: Mapping[str, TensorSpec]):
+        self.file = file
+        self.entries = [(n, specs[n].shape, specs[n].dtype) for n in names]
+        self.header, self.offsets = _st_header(self.entries)
+        self.remaining = set(names)
+        self.fh = None
+
+
+class HFWriter:
+    """Writes a planned set of tensors as sharded safetensors into a :class:`Staging` folder.
+
+    Tensors may arrive in any order; each must match its planned shape and dtype exactly.
+    On resume, shards already finished are kept and :meth:`needed` says which tensors still
+    have to be produced.
+    """
+
+    def __init__(self, staging: Staging, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD):
+        self.staging = staging
+        self.specs = {s.name: s for s in specs}
+        split = split_state_dict_into_shards_factory(
+            dict(self.specs), get_storage_size=lambda s: s.nbytes, filename_pattern=SHARD_PATTERN,
+            max_shard_size=max_shard_size,
+        )
+        self.is_sharded = split.is_sharded
+        self.weight_map = dict(split.tensor_to_filename)
+        self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
+        for f, shard in self.shards.items():
+            if staging.is_finished(f):
+                shard.remaining.clear()
+
+    def needed(self, name: str) -> bool:
+        return name in self.shards[self.weight_map[name]].remaining
+
+    def pending(self) -> list[str]:
+        return [n for n in self.specs if self.needed(n)]
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise CheckpointError(
+                f"writer: {name} is {tensor.dtype} {list(tensor.shape)}, planned {spec.dtype} {list(spec.shape)}"
+            )
+        shard = self.shards[self.weight_map[name]]
+        if name not in shard.remaining:
+            return
+        if shard.fh is None:
+            path = self.staging.partial(shard.file)
+            shard.fh = open(path, "wb")
+            shard.fh.write(shard.header)
+            shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
+        a, _ = shard.offsets[name]
+        shard.fh.seek(len(shard.header) + a)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        shard.fh.write(memoryview(data))
+        shard.remaining.discard(name)
+        if not shard.remaining:
+            shard.fh.close()
+            shard.fh = None
+            self.staging.finish(shard.file)
+
+    def close(self) -> None:
+        """Write the index; every planned tensor must have been written."""
+        left = self.pending()
+        if left:
+            raise CheckpointError(f"writer: {len(left)} planned tensors were never written (first: {left[0]})")
+        if self.is_sharded:
+            total = sum(s.nbytes for s in self.specs.values())
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
+            (self.staging.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+    def abort(self) -> None:
+        for shard in self.shards.values():
+            if shard.fh is not None:
+                shard.fh.close()
+                shard.fh = None
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_extra_files(files: Mapping[str, bytes], dst: Path) -> None:
+    """Write the pass-through files (tokenizer, generation config, ...) into ``dst``."""
+    for name, data in files.items():
+        try:
+            (dst / name).write_bytes(data)
+        except OSError as e:
+            raise OutputError(f"cannot write {name} into {dst}: {e.strerror}") from None
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB', '500MB', '2MiB' or an int, in bytes."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+    unit = m.group(2).upper() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"cannot read size {size!r} (use e.g. 5GB, 500MB, 2MiB)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+__all__ = [
+    "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "check_against_inventory",
+    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX", "QUANT_CONFIG",
+]

@@ -1,0 +1,81 @@
+"""What a checkpoint holds: variant, plan, tensors per layer and format, bytes (headers only)."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+from ..layouts.hf import DTYPE_TO_ST, HFCheckpoint
+
+
+def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
+    """A JSON-ready summary; the checkpoint has already been validated against the model table."""
+    specs = ckpt.expected()
+    by_cat: Counter[str] = Counter()
+    by_dtype: Counter[str] = Counter()
+    layers: dict[int, dict[str, Any]] = defaultdict(lambda: {"tensors": 0, "bytes": 0, "expert_tensors": 0, "expert_bytes": 0})
+    by_format: dict[str, dict[str, int]] = defaultdict(lambda: {"layers": 0, "tensors": 0, "bytes": 0})
+    for s in specs:
+        by_cat[s.category.value] += s.nbytes
+        by_dtype[DTYPE_TO_ST[s.dtype]] += s.nbytes
+        if s.layer is not None:
+            row = layers[s.layer]
+            row["tensors"] += 1
+            row["bytes"] += s.nbytes
+            if s.fmt is not None:
+                row["expert_tensors"] += 1
+                row["expert_bytes"] += s.nbytes
+                by_format[s.fmt]["tensors"] += 1
+                by_format[s.fmt]["bytes"] += s.nbytes
+    for i in range(ckpt.cfg.num_hidden_layers):
+        layers[i]["format"] = ckpt.plan.format_of(i)
+        layers[i]["attention"] = ckpt.cfg.layer_types[i]
+        by_format[ckpt.plan.format_of(i)]["layers"] += 1
+    cfg = ckpt.cfg
+    return {
+        "path": str(ckpt.root),
+        "variant": ckpt.plan.variant,
+        "plan": str(ckpt.plan),
+        "model": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts,
+                  "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": cfg.vocab_size,
+                  "vision": cfg.vision is not None},
+        "tensors": len(specs),
+        "files": len({t.file for t in ckpt.tensors.values()}),
+        "bytes": sum(s.nbytes for s in specs),
+        "bytes_by_category": dict(sorted(by_cat.items())),
+        "bytes_by_dtype": dict(sorted(by_dtype.items())),
+        "formats": dict(sorted(by_format.items())),
+        "layers": [dict(layers[i], layer=i) for i in range(cfg.num_hidden_layers)],
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def render_inspect(info: dict[str, Any]) -> str:
+    """The summary as a table for people."""
+    m = info["model"]
+    lines = [
+        f"{info['path']}",
+        f"  variant {info['variant']}   plan {info['plan']}",
+        f"  model   hidden {m['hidden_size']}, {m['layers']} layers, {m['experts']} experts x {m['moe_intermediate_size']}, "
+        f"vocab {m['vocab_size']}, vision {'yes' if m['vision'] else 'no'}",
+        f"  {info['tensors']} tensors in {info['files']} files, {_size(info['bytes'])}",
+        "",
+        "  by format      layers  tensors        bytes",
+    ]
+    for fmt, d in info["formats"].items():
+        lines.append(f"  {fmt:<13} {d['layers']:>7} {d['tensors']:>8} {_size(d['bytes']):>12}")
+    lines += ["", "  by category"]
+    for cat, b in info["bytes_by_category"].items():
+        lines.append(f"  {cat:<18} {_size(b):>12}")
+    lines += ["", "  layer  attention          format   tensors  expert bytes     layer bytes"]
+    for row in info["layers"]:
+        lines.append(f"  {row['layer']:>5}  {row['attention']:<18} {row['format']:<8} {row['tensors']:>7} "
+                     f"{_size(row['expert_bytes']):>13} {_size(row['bytes']):>15}")
+    return "\n".join(lines)
