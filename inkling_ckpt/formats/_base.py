@@ -18,7 +18,7 @@ FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 #: Elements per row chunk. Small enough that a chunk's float32 temporaries stay in cache
 #: (the codecs are memory-bound; 4x faster than whole-tensor passes on a 2-core CPU) and memory
 #: stays bounded whatever the tensor size; large enough that per-op overhead is negligible.
-CHUNK_ELEMS = 1 << 17
+CHUNK_ELEMS = 1 << 18
 
 
 class Format:
@@ -125,9 +125,9 @@ def raise_nonfinite(x: torch.Tensor, name: str) -> None:
     )
 
 
-def row_chunks(rows: int, width: int, chunk_elems: int = CHUNK_ELEMS) -> Iterator[tuple[int, int]]:
-    """(start, stop) row ranges of at most ~chunk_elems elements (at least one row each)."""
-    step = max(1, chunk_elems // max(1, width))
+def row_chunks(rows: int, width: int, chunk_elems: int | None = None) -> Iterator[tuple[int, int]]:
+    """(start, stop) row ranges of at most ~chunk_elems (default CHUNK_ELEMS) elements, at least one row each."""
+    step = max(1, (CHUNK_ELEMS if chunk_elems is None else chunk_elems) // max(1, width))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
