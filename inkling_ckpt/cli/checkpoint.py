@@ -26,6 +26,11 @@ class Variant(str, Enum):
     nvfp4 = "nvfp4"
 
 
+class ScalesOpt(str, Enum):
+    fresh = "fresh"
+    keep = "keep"
+
+
 class Size(str, Enum):
     tiny = "tiny"
     small = "small"
@@ -90,6 +95,10 @@ def quantize(
     src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
     plan: str = typer.Option(..., "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or mxfp8."),
+    scales: ScalesOpt = typer.Option(ScalesOpt.fresh, "--scales",
+                                     help="fresh: global scales from these weights; keep: from --reference "
+                                          "(unchanged weights then reproduce the reference bytes)."),
+    reference: Optional[str] = typer.Option(None, "--reference", help="Quantized checkpoint to keep scales from."),
     max_shard_size: str = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
@@ -97,8 +106,10 @@ def quantize(
 ) -> None:
     """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
     ckpt = HFCheckpoint.open(src)
-    result = requantize(ckpt, dst, _plan_for(ckpt, plan), max_shard_size=parse_size(max_shard_size),
-                        allow_nonfinite=allow_nonfinite, force=force, progress=not quiet, command="quantize")
+    ref = HFCheckpoint.open(reference) if reference else None
+    result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
+                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                        progress=not quiet, command="quantize")
     report(result, "quantization")
 
 

@@ -39,9 +39,15 @@ class ExpertEncoder:
     """Encodes routed experts for a precision plan.
 
     ``scales="keep"`` needs ``reference``: each NVFP4 linear reuses the reference's
-    ``weight_scale_2`` and ``input_scale`` (the reference layer must be NVFP4 too). With
-    ``fresh`` the global scale comes from the new weights (gate/up share the max) and
-    ``input_scale`` from the reference when one is given, else 1.0 (no calibration data).
+    ``weight_scale_2`` and ``input_scale`` (the reference layer must be NVFP4 too), and every
+    block whose new values equal the reference's decoded values bit for bit keeps the
+    reference's bytes. That last rule is what makes an unchanged weight come back byte-identical:
+    decoding loses two things the encoder cannot recover from values alone — MXFP8 blocks
+    whose largest element rounded down to 224·2^s re-encode one scale lower (same values,
+    other bytes), and NVFP4 elements that rounded to -0 (nibble 0x8) decode to -0.0, which the
+    ModelOpt convention encodes as +0 (0x0). With ``fresh`` the global scale comes from the new
+    weights (gate/up share the max) and ``input_scale`` from the reference when one is given,
+    else 1.0 (no calibration data).
     """
 
     def __init__(self, plan: PrecisionPlan, *, scales: ScalePolicy = "fresh", reference: ScaleSource | None = None,
@@ -83,6 +89,10 @@ class ExpertEncoder:
             parts = self._encode_nvfp4(fmt, layer, modules, weights)
         else:
             parts = {p: fmt.encode(weights[p], name=modules[p], allow_nonfinite=self.allow_nonfinite) for p in EXPERT_PROJS}
+        if self.scales == "keep" and self.reference is not None and self.reference.plan.format_of(layer) == fmt_name:
+            for p in EXPERT_PROJS:
+                ref = {part: self.reference.get(f"{modules[p]}.{part}") for part in parts[p]}
+                parts[p] = reuse_unchanged_blocks(fmt, weights[p], parts[p], ref)
         for p in EXPERT_PROJS:
             for part, t in parts[p].items():
                 out[f"{modules[p]}.{part}"] = t
@@ -115,3 +125,30 @@ class ExpertEncoder:
                 out[p]["input_scale"] = inputs[p].to(torch.float32).reshape(())
         return out
 
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of the same width (so -0.0 != +0.0 and NaN == NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
+
+
+def reuse_unchanged_blocks(fmt, x: torch.Tensor, new: dict[str, torch.Tensor],
+                           ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``new`` with every block whose values equal the reference's decoded block taken from ``ref``.
+
+    Blocks run along the last dimension, one ``weight_scale`` column each; the element bytes of
+    a block are the same share of a ``weight`` row. Global scales are taken as they are in
+    ``new`` (the caller passes the reference's when keeping them).
+    """
+    decoded = fmt.decode(ref, x.dtype)
+    rows, nblocks = ref["weight_scale"].shape
+    same = (_bits(decoded).reshape(rows, nblocks, -1) == _bits(x).reshape(rows, nblocks, -1)).all(-1)
+    if not bool(same.any()):
+        return new
+    out = dict(new)
+    w_new, w_ref = new["weight"], ref["weight"]
+    picked = torch.where(same[..., None], _bits(w_ref).reshape(rows, nblocks, -1), _bits(w_new).reshape(rows, nblocks, -1))
+    out["weight"] = picked.reshape(w_new.shape).view(w_new.dtype)
+    s_new, s_ref = new["weight_scale"], ref["weight_scale"]
+    out["weight_scale"] = torch.where(same, _bits(s_ref), _bits(s_new)).view(s_new.dtype)
+    return out

@@ -91,6 +91,7 @@ def requantize(
     specs = inventory(cfg, plan)
     config, hf_quant = output_config(src.config, cfg, plan)
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
+           "reference": reference.describe() if reference is not None and reference is not src else None,
            "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
     result = Result(Path(dst))
     with Staging(dst, job, force=force) as st:

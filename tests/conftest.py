@@ -1,0 +1,39 @@
+"""Shared test helpers: paths of the bundled fixtures and a CLI runner."""
+
+from __future__ import annotations
+
+import filecmp
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures"
+TINY = {v: FIXTURES / f"tiny-{v}" for v in ("bf16", "mixed", "mxfp8")}
+TINY_PLAN = "0-1:nvfp4,2-3:mxfp8"
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in-process; returns (exit code, stdout, stderr)."""
+    from inkling_ckpt.cli.app import main
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def same_files(a: Path, b: Path, ignore_hidden: bool = True) -> list[str]:
+    """Names of files that differ (or exist on one side only) between two folders, byte for byte."""
+    names = {p.name for p in a.iterdir()} | {p.name for p in b.iterdir()}
+    if ignore_hidden:
+        names = {n for n in names if not n.startswith(".")}
+    return sorted(n for n in names
+                  if not (a / n).is_file() or not (b / n).is_file() or not filecmp.cmp(a / n, b / n, shallow=False))
