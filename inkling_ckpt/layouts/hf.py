@@ -52,6 +52,7 @@ class StoredTensor:
     file: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    offset: int = 0  # absolute byte offset of the data in the file
 
     @property
     def nbytes(self) -> int:
@@ -114,7 +115,7 @@ class HFCheckpoint:
             for name, st in header.items():
                 if name not in files:
                     raise CheckpointError(f"{root / f}: holds {name}, which the index does not list")
-                tensors[name] = StoredTensor(name, f, st[0], st[1])
+                tensors[name] = StoredTensor(name, f, *st)
         ckpt = cls(root, config, cfg, hf_quant, plan, tensors)
         if validate:
             ckpt.validate()
@@ -129,15 +130,34 @@ class HFCheckpoint:
         check_against_inventory(self.tensors, self.expected(), where=str(self.root))
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one whole tensor (a fresh CPU tensor)."""
+        """Read one whole tensor into a fresh CPU tensor.
+
+        Plain positional reads rather than safetensors' memory map: a mapped file's touched
+        pages count towards the process's resident memory until unmapped, which would make
+        memory grow with the checkpoint instead of staying at a few tensors.
+        """
         st = self.tensors.get(name)
         if st is None:
             raise CheckpointError(f"{self.root}: no tensor {name}")
+        return self.read_rows(name, 0, st.shape[0] if st.shape else 1)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (along dim 0), reading only their bytes."""
+        st = self.tensors[name]
+        row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
+        count = (stop - start) * row
+        buf = torch.empty(count, dtype=torch.uint8)
+        path = self.root / st.file
         try:
-            t = self._handle(st.file).get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"{self.root / st.file}: cannot read {name} ({e})") from None
-        return t
+            with open(path, "rb", buffering=0) as f:
+                f.seek(st.offset + start * row)
+                got = f.readinto(memoryview(buf.numpy()))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
+        if got != count:
+            raise CheckpointError(f"{path}: truncated while reading {name}")
+        shape = (stop - start, *st.shape[1:]) if st.shape else ()
+        return buf.view(st.dtype).reshape(shape)
 
     def get_slice(self, name: str):
         """A lazy slice handle (``[a:b]`` reads only those rows)."""
@@ -225,8 +245,8 @@ def _weight_map(root: Path) -> dict[str, str]:
     raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE}")
 
 
-def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Names, shapes and dtypes of a safetensors file, from its header only.
+def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int]]:
+    """Names, shapes, dtypes and absolute data offsets of a safetensors file, from its header only.
 
     The header's offsets are checked against the file size so a truncated shard is caught
     before any tensor is read.
@@ -249,7 +269,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise CheckpointError(f"{path}: corrupted safetensors header")
     header.pop("__metadata__", None)
     data_len = size - 8 - n
-    out: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    out: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
     end = 0
     for name, info in header.items():
         try:
@@ -264,7 +284,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         if b - a != nbytes or a < 0:
             raise CheckpointError(f"{path}: header of {name} disagrees with its shape and dtype")
         end = max(end, b)
-        out[name] = (shape, dtype)
+        out[name] = (shape, dtype, 8 + n + a)
     if end > data_len:
         raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
     return out
