@@ -1,0 +1,537 @@
+"""Megatron-Core ``torch_dist`` checkpoints: a streaming writer and a Megatron-free reader.
+
+The folder (``shared/spec/megatron.md``; facts in ``shared/reference/megatron.md`` §1)::
+
+    DST/latest_checkpointed_iteration.txt      "release"
+    DST/release/.metadata                      torch.distributed.checkpoint Metadata (pickle)
+    DST/release/__U_0.distcp                   data: one file per conversion unit (U = unit number)
+    DST/release/common.pt                      plain Python types; loads with weights_only=True
+    DST/release/metadata.json                  the 4-key backend description, written LAST
+
+A ``.distcp`` file is a sequence of independent ``torch.save`` blobs, one per stored chunk or
+object; ``.metadata`` maps ``MetadataIndex(key, chunk offsets)`` to ``(file, offset, length)``.
+Everything is written through ``torch.distributed.checkpoint``: :func:`dcp.save` runs the
+(collective, under torchrun) planning and writes ``.metadata``; our planner produces each chunk
+only when the storage writer asks for it (lazy, one at a time), and our storage writer puts each
+unit's chunks into its own file, finished by an atomic rename and recorded in a small sidecar
+so an interrupted conversion resumes unit by unit. File names depend on the unit, not on the
+rank, so a one-process and an N-process conversion write the same files.
+
+``_extra_state`` objects (``ShardedObject``\\ s in Megatron) are stored as the bytes of
+``torch.save([torch.empty(0, dtype=torch.uint8)])`` — what Transformer Engine writes with no FP8
+state (reference §2.6); Megatron's default load strictness fails without them.
+
+The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list (torch's DCP
+dataclasses; legacy ``megatron.*`` classes become inert stand-ins) and ``common.pt`` with
+``weights_only=True``, and reads chunk blobs by offset.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType, TensorWriteData
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from ..errors import CheckpointError, OutputError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+METADATA_JSON = "metadata.json"
+COMMON = "common.pt"
+DCP_METADATA = ".metadata"
+UNITS_DIR = ".inkling-units"
+# mcore <= 0.18 does CheckpointingConfig(**json): exactly these keys (reference §6.2).
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+           "common_backend": "torch", "common_backend_version": 1}
+
+
+def common_state(content_metadata: Mapping[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """The common (non-tensor) state: plain types only, so ``torch.load(weights_only=True)`` works."""
+    state: dict[str, Any] = {"checkpoint_version": 3.0, "iteration": 0,
+                             "content_metadata": dict(content_metadata or {"non_homogeneous_layers": True})}
+    state.update(extra)
+    return state
+
+
+def empty_extra_state() -> bytes:
+    """The ``_extra_state`` payload of a TE module without FP8 state."""
+    buf = io.BytesIO()
+    torch.save([torch.empty(0, dtype=torch.uint8)], buf)
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class ChunkItem:
+    """One stored chunk of a tensor key: where it sits in the global tensor."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    unit: int
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ObjectItem:
+    """One ``ShardedObject`` (stored as bytes under its unique key)."""
+
+    key: str
+    unit: int
+    payload: bytes
+
+
+Produce = Callable[[ChunkItem], torch.Tensor]
+
+
+# ---- writer -----------------------------------------------------------------------------------
+
+
+class _LazyPlanner(DefaultSavePlanner):
+    """Plans the given chunks without holding them; ``resolve_data`` builds each on request."""
+
+    def __init__(self, chunks: Sequence[ChunkItem], objects: Sequence[ObjectItem], produce: Produce):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(c.key, c.offsets): c for c in chunks}
+        self._objects = {o.key: o for o in objects}
+        self._produce = produce
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for c in self._chunks.values():
+            items.append(WriteItem(
+                index=MetadataIndex(c.key, torch.Size(c.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)),
+                    properties=TensorProperties(dtype=c.dtype),
+                    size=torch.Size(c.global_shape),
+                ),
+            ))
+        for o in self._objects.values():
+            items.append(WriteItem(index=MetadataIndex(o.key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def item_of(self, wi: WriteItem) -> ChunkItem | ObjectItem:
+        if wi.type == WriteItemType.BYTE_IO:
+            return self._objects[wi.index.fqn]
+        return self._chunks[(wi.index.fqn, tuple(wi.index.offset))]  # type: ignore[arg-type]
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        item = self.item_of(write_item)
+        if isinstance(item, ObjectItem):
+            return io.BytesIO(item.payload)
+        t = self._produce(item)
+        if tuple(t.shape) != item.sizes or t.dtype != item.dtype:
+            raise CheckpointError(f"{item.key}: produced {t.dtype} {list(t.shape)}, planned {item.dtype} {list(item.sizes)}")
+        t = t.detach().to("cpu")
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
+            t = t.contiguous().clone()  # torch.save writes whole storages: never a view's base
+        return t
+
+
+class _UnitWriter(FileSystemWriter):
+    """A DCP storage writer: one file per unit, finished atomically, skipped when already done."""
+
+    def __init__(self, path: Path, *, on_written: Callable[[int], None] | None = None, save_id: str = "inkling"):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
+        self._on_written = on_written or (lambda n: None)
+        self._save_id = save_id
+        self.units_resumed = 0
+
+    def storage_meta(self) -> StorageMeta | None:
+        # Deterministic: no temporary paths or random ids in .metadata.
+        return StorageMeta(checkpoint_id=None, save_id=self._save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        Path(self.path).mkdir(parents=True, exist_ok=True)
+        return plan
+
+    def write_data(self, plan: SavePlan, planner: _LazyPlanner) -> Future[list[WriteResult]]:  # type: ignore[override]
+        by_unit: dict[int, list[WriteItem]] = {}
+        for wi in plan.items:
+            by_unit.setdefault(planner.item_of(wi).unit, []).append(wi)
+        results: list[WriteResult] = []
+        for unit in sorted(by_unit):
+            results.extend(self._write_unit(unit, by_unit[unit], planner))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_unit(self, unit: int, items: list[WriteItem], planner: _LazyPlanner) -> list[WriteResult]:
+        root = Path(self.path)
+        name = f"__{unit}_0.distcp"
+        sidecar = root / UNITS_DIR / f"{unit}.json"
+        done = _read_sidecar(sidecar, name, items)
+        if done is not None and (root / name).is_file():
+            self.units_resumed += 1
+            self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO))  # type: ignore[union-attr]
+            return done
+        partial = root / (name + ".partial")
+        results: list[WriteResult] = []
+        # Objects first, then tensors, each a torch.save blob at a recorded offset.
+        ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + \
+                  [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+        with open(partial, "wb") as f:
+            for wi in ordered:
+                data = planner.resolve_data(wi)
+                start = f.tell()
+                if isinstance(data, io.BytesIO):
+                    f.write(data.getbuffer())
+                else:
+                    torch.save(data, f)
+                length = f.tell() - start
+                results.append(WriteResult(index=wi.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, start, length)))
+                if not isinstance(data, io.BytesIO):
+                    self._on_written(data.nbytes)
+                del data
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(partial, root / name)
+        sidecar.parent.mkdir(exist_ok=True)
+        tmp = sidecar.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"file": name, "items": [
+            [r.index.fqn, list(r.index.offset) if r.index.offset is not None else None,
+             r.storage_data.offset, r.storage_data.length] for r in results]}))
+        os.replace(tmp, sidecar)
+        return results
+
+
+def _read_sidecar(path: Path, name: str, items: list[WriteItem]) -> list[WriteResult] | None:
+    """The recorded results of a finished unit, if they cover exactly ``items``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("file") != name:
+        return None
+    want = {(wi.index.fqn, tuple(wi.index.offset) if wi.index.offset is not None else None): wi for wi in items}
+    out = []
+    for fqn, offset, start, length in data.get("items", []):
+        k = (fqn, tuple(offset) if offset is not None else None)
+        wi = want.pop(k, None)
+        if wi is None:
+            return None
+        out.append(WriteResult(index=wi.index, size_in_bytes=length, storage_data=_StorageInfo(name, start, length)))
+    return None if want else out
+
+
+def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[ObjectItem], produce: Produce, *,
+              on_written: Callable[[int], None] | None = None, process_group: Any = None,
+              save_id: str = "inkling") -> int:
+    """Write this rank's chunks and objects; collectively write ``.metadata`` (rank 0).
+
+    Call on every rank with that rank's items (disjoint across ranks). Returns how many units
+    were found finished from an earlier, interrupted run.
+    """
+    writer = _UnitWriter(folder, on_written=on_written, save_id=save_id)
+    planner = _LazyPlanner(chunks, objects, produce)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist, process_group=process_group)
+    except dcp.api.CheckpointException as e:  # a rank failed: surface the first cause as one line
+        raise _first_cause(e) from None
+    return writer.units_resumed
+
+
+def _first_cause(e: Exception) -> Exception:
+    failures = getattr(e, "failures", {}) or {}
+    for _, exc in sorted(failures.items()):
+        inner = exc[0] if isinstance(exc, tuple) else exc
+        if isinstance(inner, BaseException):
+            if isinstance(inner, (CheckpointError, OutputError, OSError)):
+                return inner  # type: ignore[return-value]
+            return CheckpointError(f"writing torch_dist failed: {type(inner).__name__}: {inner}")
+    return CheckpointError(f"writing torch_dist failed: {e}")
+
+
+def finish_iteration_dir(folder: Path, common: Mapping[str, Any]) -> None:
+    """Write ``common.pt``, drop resume sidecars, then ``metadata.json`` (the completion marker)."""
+    torch.save(dict(common), folder / COMMON)
+    for p in sorted((folder / UNITS_DIR).glob("*")) if (folder / UNITS_DIR).is_dir() else []:
+        p.unlink()
+    if (folder / UNITS_DIR).is_dir():
+        (folder / UNITS_DIR).rmdir()
+    tmp = folder / (METADATA_JSON + ".tmp")
+    tmp.write_text(json.dumps(BACKEND) + "\n")
+    os.replace(tmp, folder / METADATA_JSON)
+
+
+def write_tracker(root: Path, iteration: str = RELEASE) -> None:
+    (root / TRACKER).write_text(iteration)
+
+
+# ---- reader -----------------------------------------------------------------------------------
+
+
+class _Stand_in:
+    """What a legacy ``megatron.*`` class in ``.metadata`` becomes: inert, holds its state."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+_SAFE_TORCH = {("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
+               ("torch", "device"), ("builtins", "set"), ("builtins", "frozenset"), ("copyreg", "_reconstructor"),
+               ("builtins", "object"), ("torch.serialization", "_get_layout")}
+_DTYPE_NAMES = {str(d).split(".")[-1] for d in (
+    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+    torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
+    torch.complex64)}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` allowing only torch's checkpoint dataclasses and plain types."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint."):
+            return super().find_class(module, name)
+        if (module, name) in _SAFE_TORCH:
+            return super().find_class(module, name)
+        if module == "torch" and (name in _DTYPE_NAMES or name in ("strided", "contiguous_format",
+                                                                   "preserve_format", "channels_last")):
+            return getattr(torch, name)
+        if module.startswith("megatron."):
+            if name.endswith("Metadata"):
+                return Metadata
+            if name.endswith("SavePlan"):
+                return SavePlan
+            return _Stand_in
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({e})") from None
+    if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
+        raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata")
+    return md
+
+
+def _safe_load(data: io.BytesIO | Path, what: str) -> Any:
+    try:
+        return torch.load(data, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"{what}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+
+
+@dataclass(frozen=True)
+class StoredKey:
+    """A tensor of a torch_dist checkpoint: global shape, dtype and stored chunks."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+
+def resolve_iteration_dir(path: Path) -> Path:
+    """The iteration folder of a Megatron save folder (tracker) or the folder itself."""
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such folder")
+    tracker = path / TRACKER
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == RELEASE:
+            return path / RELEASE
+        if text.isdigit():
+            return path / f"iter_{int(text):07d}"
+        raise CheckpointError(f"{tracker}: holds {text[:40]!r}, expected 'release' or an iteration number")
+    if (path / DCP_METADATA).exists() or (path / METADATA_JSON).exists():
+        return path
+    if (path / RELEASE).is_dir():
+        return path / RELEASE
+    raise CheckpointError(f"{path}: not a Megatron torch_dist checkpoint (no {TRACKER}, {METADATA_JSON} or .metadata)")
+
+
+class TorchDistCheckpoint:
+    """A Megatron ``torch_dist`` checkpoint opened for streaming reads. Use :meth:`open`."""
+
+    def __init__(self, folder: Path, metadata: Metadata, common: dict[str, Any]):
+        self.folder = folder
+        self.metadata = metadata
+        self.common = common
+        self.keys: dict[str, StoredKey] = {}
+        self.objects: list[str] = []
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                chunks = tuple((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+                self.keys[key] = StoredKey(key, tuple(md.size), md.properties.dtype, chunks)
+            elif isinstance(md, BytesStorageMetadata):
+                self.objects.append(key)
+        self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
+
+    @classmethod
+    def open(cls, path: str | Path) -> "TorchDistCheckpoint":
+        """Check the folder is a finished torch_dist checkpoint and read its metadata (no tensors)."""
+        folder = resolve_iteration_dir(Path(path))
+        mj = folder / METADATA_JSON
+        if not mj.is_file():
+            raise CheckpointError(f"{folder}: no {METADATA_JSON}: an unfinished or interrupted save, not a checkpoint")
+        try:
+            backend = json.loads(mj.read_text())
+        except (OSError, ValueError):
+            raise CheckpointError(f"{mj}: not valid JSON") from None
+        if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
+            raise CheckpointError(f"{mj}: sharded_backend is {backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}, expected torch_dist")
+        metadata = read_dcp_metadata(folder / DCP_METADATA)
+        ckpt = cls(folder, metadata, {})
+        if (folder / COMMON).is_file():
+            common = _safe_load(folder / COMMON, str(folder / COMMON))
+        elif "common_state/shard_0_1" in ckpt.objects:  # mcore 0.19 keeps it inside DCP
+            common = ckpt.read_object("common_state/shard_0_1")
+            common = common[0] if isinstance(common, list) and common else common
+        else:
+            common = {}
+        if not isinstance(common, dict):
+            raise CheckpointError(f"{folder / COMMON}: expected a dict, got {type(common).__name__}")
+        ckpt.common = common
+        for rel in sorted({si.relative_path for si in metadata.storage_data.values()}):
+            p = folder / rel
+            if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.is_file():
+                raise CheckpointError(f"{folder}: .metadata names data file {rel}, which is missing or outside the folder")
+        return ckpt
+
+    def _blob(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
+        idx = MetadataIndex(key, torch.Size(offsets) if offsets is not None else None)
+        info = self.metadata.storage_data.get(idx)
+        if info is None:
+            raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
+        path = self.folder / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        if len(data) != info.length:
+            raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+        return data
+
+    def read_object(self, key: str) -> Any:
+        """A ``ShardedObject`` payload (a list of the saving ranks' objects), weights-only."""
+        return _safe_load(io.BytesIO(self._blob(key, None)), f"{self.folder}: object {key}")
+
+    def read_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        """One stored chunk exactly as written."""
+        st = self.keys[key]
+        t = _safe_load(io.BytesIO(self._blob(key, offsets)), f"{self.folder}: chunk of {key}")
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointError(f"{self.folder}: chunk of {key} at {offsets} is not a tensor")
+        sizes = dict(st.chunks).get(offsets)
+        if sizes is None or tuple(t.shape) != sizes or t.dtype != st.dtype:
+            raise CheckpointError(f"{self.folder}: chunk of {key} at {offsets} is {t.dtype} {list(t.shape)}, "
+                                  f".metadata says {st.dtype} {list(sizes or ())}")
+        return t
+
+    def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """A region (default: all) of a tensor, assembled from the stored chunks that overlap it.
+
+        Memory: the region plus one stored chunk (the last chunk read is kept, so reading a
+        stacked tensor expert by expert from one big chunk does not reload it every time).
+        """
+        st = self.keys.get(key)
+        if st is None:
+            raise CheckpointError(f"{self.folder}: no tensor {key}")
+        off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
+        size = tuple(sizes) if sizes is not None else st.shape
+        if len(off) != len(st.shape) or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape)):
+            raise CheckpointError(f"{key}: region {off}+{size} is outside {list(st.shape)}")
+        for c_off, c_size in st.chunks:
+            if tuple(c_off) == off and tuple(c_size) == size:
+                return self.read_chunk(key, c_off)
+        out = torch.empty(size, dtype=st.dtype)
+        covered = 0
+        for c_off, c_size in st.chunks:
+            lo = [max(a, b) for a, b in zip(off, c_off)]
+            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size)]
+            if any(h <= l for l, h in zip(lo, hi)):
+                continue
+            chunk = self._cached_chunk(key, c_off)
+            src = chunk[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, c_off))]
+            out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, off))] = src
+            n = 1
+            for l, h in zip(lo, hi):
+                n *= h - l
+            covered += n
+        total = 1
+        for s in size:
+            total *= s
+        if covered != total:
+            raise CheckpointError(f"{self.folder}: stored chunks of {key} do not cover region {off}+{size}")
+        return out
+
+    def _cached_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+        if self._cache is not None and self._cache[0] == (key, offsets):
+            return self._cache[1]
+        self._cache = None
+        t = self.read_chunk(key, offsets)
+        self._cache = ((key, offsets), t)
+        return t
+
+    def data_bytes(self) -> int:
+        total = 0
+        for st in self.keys.values():
+            n = st.dtype.itemsize
+            for s in st.shape:
+                n *= s
+            total += n
+        return total
+
+    def describe(self) -> dict[str, Any]:
+        files = sorted({si.relative_path for si in self.metadata.storage_data.values()})
+        return {"root": str(self.folder.resolve()),
+                "files": {f: (self.folder / f).stat().st_size for f in files}}
+
+
+__all__ = [
+    "TorchDistCheckpoint", "ChunkItem", "ObjectItem", "write_dcp", "finish_iteration_dir", "write_tracker",
+    "common_state", "empty_extra_state", "resolve_iteration_dir", "read_dcp_metadata", "BACKEND",
+    "TRACKER", "RELEASE", "METADATA_JSON", "COMMON",
+]
