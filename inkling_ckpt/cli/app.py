@@ -25,6 +25,7 @@ app = typer.Typer(
 def _register() -> None:
     # Import for their side effect: each module adds its commands to ``app``.
     from . import checkpoint  # noqa: F401
+    from . import shard, memory  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

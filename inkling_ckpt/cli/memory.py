@@ -1,0 +1,88 @@
+"""``inkling-ckpt memory``: what each GPU holds under a TP/EP plan, and the KV cache left over."""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import ConfigError, PlanError
+from ..layouts.hf import INDEX, HFCheckpoint, parse_size
+from ..model.config import InklingConfig, read_json
+from ..model.inventory import inventory
+from ..model.precision import PrecisionPlan
+from ..model.presets import preset_plan
+from ..plan.memory import GPU_PRESETS, KV_DTYPES, memory_report, render_memory
+from .app import app
+
+
+class Variant(str, Enum):
+    bf16 = "bf16"
+    mixed = "mixed"
+    mxfp8 = "mxfp8"
+    nvfp4 = "nvfp4"
+
+
+_HELP = f"""Bytes per GPU by category under --tp N --ep M, whether it fits, and the KV-cache pool.
+
+CKPT_OR_CONFIG is a checkpoint folder (read from its headers only: no tensor data) or a bare
+config.json (or a folder holding only one) with --variant or --plan, so the full-size model can
+be planned with no weights on disk. Categories: routed experts, attention, embeddings/head,
+router and norms, MTP head, vision tower; 'replicated' is what other ranks hold too.
+
+KV cache: K and V per attention layer for max(1, KV heads / tp) heads per rank; full-attention
+layers (and the MTP head) keep every token, sliding-window layers one window per sequence.
+Pool = mem-fraction x GPU memory - the largest rank's weights. GPU presets (GB as sold):
+{", ".join(f"{k} {v}" for k, v in GPU_PRESETS.items())}.
+"""
+
+
+def _load(source: str, variant: Optional[Variant], plan_text: Optional[str]):
+    p = Path(source)
+    has_weights = p.is_dir() and ((p / INDEX).is_file() or any(p.glob("*.safetensors")))
+    if has_weights:
+        if variant is not None or plan_text is not None:
+            raise PlanError(f"{source} holds weights: its precision plan is read from it (drop --variant/--plan)")
+        ckpt = HFCheckpoint.open(p)  # validated against the tensor table from the headers
+        return ckpt.cfg, ckpt.plan, ckpt.expected(), str(ckpt.root)
+    config_path = p / "config.json" if p.is_dir() else p
+    if not config_path.is_file():
+        raise ConfigError(f"{source}: neither a checkpoint folder nor a config.json")
+    cfg = InklingConfig.from_dict(read_json(config_path))
+    n = cfg.num_hidden_layers
+    if plan_text is not None and variant is not None:
+        raise PlanError("give --variant or --plan, not both")
+    if plan_text is not None:
+        plan = PrecisionPlan.parse(plan_text, n)
+    elif variant is not None:
+        plan = PrecisionPlan.parse(preset_plan("full", variant.value, n), n)
+    else:
+        raise PlanError(f"{config_path} has no weights: say which checkpoint with --variant (bf16, mixed, mxfp8, "
+                        f"nvfp4) or --plan (e.g. 0-39:nvfp4,40-47:mxfp8)")
+    return cfg, plan, inventory(cfg, plan), str(config_path)
+
+
+@app.command("memory", help=_HELP)
+def memory_cmd(
+    source: str = typer.Argument(..., metavar="CKPT_OR_CONFIG", help="Checkpoint folder, or config.json."),
+    tp: int = typer.Option(..., "--tp", help="Tensor-parallel ranks (GPUs)."),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks."),
+    variant: Optional[Variant] = typer.Option(None, "--variant", help="With a bare config: which released variant "
+                                              "(mixed = layers 0-39 NVFP4, 40-47 MXFP8 on the full model)."),
+    plan_text: Optional[str] = typer.Option(None, "--plan", help="With a bare config: an explicit precision plan."),
+    gpu: Optional[list[str]] = typer.Option(None, "--gpu", help="GPU preset(s) to check (default: all)."),
+    gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Exact GPU memory instead of a preset, e.g. 143771MiB."),
+    mem_fraction: float = typer.Option(0.9, "--mem-fraction", help="Share of GPU memory for weights + KV cache."),
+    kv_dtype: str = typer.Option("bf16", "--kv-dtype", help=f"KV-cache element format: {', '.join(KV_DTYPES)}."),
+    context: Optional[int] = typer.Option(None, "--context", help="Sequence length for the 'sequences' column "
+                                          "(default min(max_position_embeddings, 131072))."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    cfg, plan, specs, where = _load(source, variant, plan_text)
+    rep = memory_report(cfg, plan, specs, tp, ep, source=where, gpus=gpu,
+                        gpu_bytes=parse_size(gpu_memory) if gpu_memory else None,
+                        mem_fraction=mem_fraction, kv_dtype=kv_dtype, context=context)
+    typer.echo(json.dumps(rep, indent=2) if as_json else render_memory(rep))

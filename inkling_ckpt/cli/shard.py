@@ -1,0 +1,87 @@
+"""``inkling-ckpt shard``: split a checkpoint for a TP/EP plan (and ``--merge`` it back)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import PlanError
+from ..layouts.hf import HFCheckpoint, parse_size
+from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
+from ..plan.memory import render_ranks, rank_memory
+from .app import app
+
+_HELP = """Split an HF checkpoint into one folder per TP rank for --tp N --ep M.
+
+Each rank folder holds HF-named safetensors with that rank's local shapes and its own index;
+DST/inkling-shard.json records the plan, every tensor's split rule and global shape, expert
+ownership and a sha256 per file. Query heads split over tp, KV heads too (replicated when
+tp > KV heads), o_proj by columns, embed/lm_head by vocab rows, router/norms/vision
+replicated; EP rank r owns experts [r*E/ep, (r+1)*E/ep) and moe_tp = tp/ep ranks share them
+(NVFP4 experts need moe_tp 1). Rank r is EP rank r // moe_tp.
+
+--dry-run prints the plan and per-rank bytes from the headers alone.
+--merge DST OUT rebuilds the original checkpoint byte for byte (checksums verified).
+"""
+
+
+@app.command("shard", help=_HELP)
+def shard_cmd(
+    src: str = typer.Argument(..., help="HF checkpoint to split (with --merge: the sharded folder)."),
+    dst: Optional[Path] = typer.Argument(None, help="Output folder, published atomically (not needed with --dry-run)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Tensor-parallel ranks (attention, vocab; total ranks)."),
+    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks; must divide --tp and the expert count."),
+    merge_: bool = typer.Option(False, "--merge", help="Reassemble the sharded folder SRC into DST instead."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and per-rank bytes; read no tensor data."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: machine-readable output."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file per rank."),
+    force: bool = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    if merge_:
+        if tp is not None or dry_run:
+            raise PlanError("--merge takes no --tp/--dry-run: the plan is read from the manifest")
+        if dst is None:
+            raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
+        res = merge(src, dst, force=force, progress=not quiet)
+        if res.skipped:
+            typer.echo(f"{dst}: already holds this merge; nothing to do (--force to redo)")
+        else:
+            typer.echo(f"merged into {dst}: {res.files} files, {res.bytes / 2**20:.1f} MiB, byte-identical to the source")
+        return
+    if tp is None:
+        raise PlanError("--tp is required (and --ep, default 1)")
+    if dry_run:
+        ckpt = HFCheckpoint.open(src)
+        plan = plan_checkpoint(ckpt, tp, ep)
+        info = describe_plan(plan)
+        ranks = rank_memory(plan)
+        if as_json:
+            typer.echo(json.dumps({**info, "source": str(ckpt.root), "variant": ckpt.plan.variant,
+                                   "precision_plan": str(ckpt.plan), "ranks": ranks}, indent=2))
+            return
+        p = info["plan"]
+        typer.echo(f"{ckpt.root}: {ckpt.plan.variant} ({ckpt.plan}); tp {p['tp']}, ep {p['ep']}, moe_tp {p['moe_tp']}")
+        typer.echo("")
+        typer.echo("experts:")
+        for e, v in info["experts"].items():
+            typer.echo(f"  EP rank {e}: experts {v['experts'][0]}-{v['experts'][1] - 1} on ranks {v['ranks']}")
+        typer.echo("")
+        typer.echo("split rules:")
+        for pattern, r in info["rules"].items():
+            typer.echo(f"  {pattern:<64} {r['describe']} [{r['tensors']}]")
+        typer.echo("")
+        typer.echo(render_ranks(ranks, sum(s.nbytes for s in ckpt.expected())))
+        return
+    if dst is None:
+        raise PlanError("DST is required (or pass --dry-run)")
+    res = shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet)
+    if res.skipped:
+        typer.echo(f"{dst}: already holds this shard job; nothing to do (--force to redo)")
+        return
+    how = "resumed and finished" if res.resumed else "wrote"
+    typer.echo(f"{how} {dst}: {tp} ranks, {res.tensors} tensors, {res.source_bytes / 2**20:.1f} MiB in, "
+               f"{res.written_bytes / 2**20:.1f} MiB over all ranks (largest rank {max(res.rank_bytes) / 2**20:.1f} MiB)")

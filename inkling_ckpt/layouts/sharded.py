@@ -1,0 +1,487 @@
+"""The TP/EP-sharded layout: one HF-named folder per rank, a manifest, and an exact way back.
+
+On disk (``inkling-ckpt shard SRC DST --tp N --ep M``)::
+
+    DST/inkling-shard.json       the manifest (below)
+    DST/rank-00/ ... rank-NN/    HF-named safetensors with each rank's *local* shapes, and an
+                                 index (model.safetensors.index.json) whose metadata names the rank
+    DST/source/                  the source's own small files byte for byte (config.json, index,
+                                 hf_quant_config.json, tokenizer, ...) and headers/<shard>.header:
+                                 each source shard's header bytes, so a merge rebuilds it exactly
+
+Manifest (``format: inkling-ckpt/sharded``, ``version: 1``): ``plan`` (tp, ep, moe_tp),
+``model`` (variant, precision plan), ``ranks`` (per rank: folder, EP rank, moe-TP rank, tensors,
+bytes), ``experts`` (EP rank -> [first, stop) experts and the TP ranks holding them), ``rules``
+(inventory row pattern -> split and dim), ``tensors`` (name -> global shape, dtype, split, stored
+dim cut or null, pieces, ``holders``: the piece each rank holds or null), ``source`` (each source
+file: bytes, sha256, and for shards the header copy) and ``files`` (every file under DST: bytes,
+sha256).
+
+Piece ``p`` of a tensor cut along ``dim`` into ``n`` pieces is the contiguous range
+``[p·size/n, (p+1)·size/n)``; a merge reads each piece from the lowest rank holding it,
+concatenates along ``dim`` and writes it at its original offset under the original header, then
+checks the file against the source's sha256.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, IntegrityError
+from ..model.config import InklingConfig, read_json
+from ..model.precision import PrecisionPlan
+from ..model.quant_config import plan_from_quant_config
+from ..plan import ShardPlan
+from ..plan.rules import SPLITS
+from ..progress import ByteProgress
+from .hf import DTYPE_TO_ST, INDEX, QUANT_CONFIG, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
+from .staging import DONE_FILE, JOB_FILE, Staging
+
+MANIFEST = "inkling-shard.json"
+FORMAT = "inkling-ckpt/sharded"
+VERSION = 1
+SOURCE_DIR = "source"
+HEADERS_DIR = f"{SOURCE_DIR}/headers"
+_HASH_CHUNK = 16 << 20
+
+
+def rank_dir(rank: int) -> str:
+    return f"rank-{rank:02d}"
+
+
+# ---- raw safetensors access ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RawHeader:
+    """A safetensors file's header bytes (with the 8-byte length) and each tensor's data range."""
+
+    blob: bytes
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype, int, int]]  # name -> shape, dtype, start, stop
+
+    @property
+    def data_start(self) -> int:
+        return len(self.blob)
+
+    def in_offset_order(self) -> list[str]:
+        return sorted(self.entries, key=lambda n: self.entries[n][2])
+
+
+def raw_header(path: Path) -> RawHeader:
+    """Parse a safetensors header keeping its exact bytes; validated by :func:`read_header` first."""
+    read_header(path)  # size, truncation and shape/dtype checks, with one-line errors
+    with open(path, "rb") as f:
+        head = f.read(8)
+        (n,) = struct.unpack("<Q", head)
+        blob = head + f.read(n)
+    header = json.loads(blob[8:])
+    header.pop("__metadata__", None)
+    entries = {name: (tuple(int(s) for s in info["shape"]), ST_TO_DTYPE[info["dtype"]],
+                      int(info["data_offsets"][0]), int(info["data_offsets"][1]))
+               for name, info in header.items()}
+    return RawHeader(blob, entries)
+
+
+def bytes_to_tensor(buf: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    return t.view(dtype).reshape(shape)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_files(root: Path, rels: list[str], workers: int | None = None) -> dict[str, dict[str, Any]]:
+    """sha256 and size of each file (threads: hashlib releases the GIL on large buffers)."""
+    def one(rel: str) -> tuple[str, dict[str, Any]]:
+        p = root / rel
+        return rel, {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    with ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1)) as pool:
+        return dict(pool.map(one, rels))
+
+
+class _RankStaging:
+    """A rank's sub-folder of the job's staging folder, shaped like :class:`Staging` for HFWriter."""
+
+    def __init__(self, st: Staging, sub: str):
+        self.st, self.sub = st, sub
+        self.path = st.path / sub
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def is_finished(self, rel: str) -> bool:
+        return self.st.is_finished(f"{self.sub}/{rel}")
+
+    def partial(self, rel: str) -> Path:
+        return self.st.partial(f"{self.sub}/{rel}")
+
+    def finish(self, rel: str) -> None:
+        self.st.finish(f"{self.sub}/{rel}")
+
+
+# ---- shard --------------------------------------------------------------------------------
+
+@dataclass
+class ShardResult:
+    dst: Path
+    skipped: bool = False
+    resumed: bool = False
+    tensors: int = 0
+    source_bytes: int = 0
+    written_bytes: int = 0
+    rank_bytes: list[int] = dataclasses.field(default_factory=list)
+
+
+def plan_checkpoint(ckpt: HFCheckpoint, tp: int, ep: int) -> ShardPlan:
+    """The shard plan of an opened checkpoint (validates the plan; reads no tensor data)."""
+    return ShardPlan.build(ckpt.cfg, ckpt.plan, tp, ep, ckpt.expected())
+
+
+def _source_files(ckpt: HFCheckpoint) -> tuple[list[str], list[str]]:
+    """(safetensors shards in use, other top-level files to keep verbatim)."""
+    shards = sorted({t.file for t in ckpt.tensors.values()})
+    small = sorted(p.name for p in ckpt.root.iterdir()
+                   if p.is_file() and not p.name.startswith(".") and p.name not in shards
+                   and not p.name.endswith(".safetensors"))
+    return shards, small
+
+
+def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size: int | str = "5GB",
+          force: bool = False, progress: bool = True) -> ShardResult:
+    """Split the HF checkpoint ``src`` for ``(tp, ep)`` into ``dst`` (atomic; resumable)."""
+    ckpt = HFCheckpoint.open(src)
+    plan = plan_checkpoint(ckpt, tp, ep)
+    shards, small = _source_files(ckpt)
+    headers = {f: raw_header(ckpt.root / f) for f in shards}
+    result = ShardResult(Path(dst), tensors=len(plan.placements))
+    job = {"command": "shard", "source": ckpt.describe(), "tp": tp, "ep": ep, "max_shard_size": str(max_shard_size)}
+    with Staging(dst, job, force=force) as st:
+        if st.done:
+            result.skipped = True
+            return result
+        result.resumed = st.resumed
+        writers = []
+        for r in plan.parallel.ranks:
+            local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
+            writers.append(HFWriter(_RankStaging(st, rank_dir(r)), local, max_shard_size))
+        by_name = {p.name: p for p in plan.placements}
+        total = sum(os.path.getsize(ckpt.root / f) for f in shards)
+        source_info: dict[str, dict[str, Any]] = {}
+        with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
+            try:
+                for f in shards:
+                    source_info[f] = _shard_file(ckpt.root / f, headers[f], by_name, writers, bar.advance)
+            finally:
+                for w in writers:
+                    w.abort()
+            for r, w in enumerate(writers):
+                w.close()
+                _write_rank_index(w, plan, r)
+        (st.path / HEADERS_DIR).mkdir(parents=True, exist_ok=True)
+        for f in shards:
+            (st.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
+            source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
+        for name in small:
+            shutil.copyfile(ckpt.root / name, st.path / SOURCE_DIR / name)
+            source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
+                                 "sha256": sha256_file(ckpt.root / name)}
+        rels = sorted(str(p.relative_to(st.path)) for p in st.path.rglob("*")
+                      if p.is_file() and p.name not in (JOB_FILE, DONE_FILE, MANIFEST))
+        manifest = build_manifest(ckpt, plan, source_info, _hash_files(st.path, rels), headers)
+        (st.path / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        result.source_bytes = total
+        result.rank_bytes = [r["bytes"] for r in manifest["ranks"]]
+        result.written_bytes = sum(result.rank_bytes)
+    return result
+
+
+def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWriter],
+                advance: Callable[[int], None]) -> dict[str, Any]:
+    """Stream one source shard in file order: hash every byte, hand each tensor's pieces to the ranks."""
+    h = hashlib.sha256(header.blob)
+    pos = header.data_start
+    with open(path, "rb") as f:
+        f.seek(pos)
+        for name in header.in_offset_order():
+            shape, dtype, a, b = header.entries[name]
+            start = header.data_start + a
+            if start > pos:  # bytes between tensors (not written by our writers, kept by the hash)
+                h.update(f.read(start - pos))
+            buf = bytearray(b - a)
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{path}: truncated inside {name}")
+            pos = header.data_start + b
+            h.update(buf)
+            p = by_name[name]
+            t = bytes_to_tensor(buf, shape, dtype)
+            for rank, piece in enumerate(p.holders):
+                if piece is None or not writers[rank].needed(name):
+                    continue
+                if p.dim is None:
+                    writers[rank].write(name, t)
+                else:
+                    lo, hi = p.piece_range(piece)
+                    writers[rank].write(name, t.narrow(p.dim, lo, hi - lo).contiguous())
+            advance(b - a)
+        while chunk := f.read(_HASH_CHUNK):  # anything after the last tensor
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _write_rank_index(writer: HFWriter, plan: ShardPlan, rank: int) -> None:
+    """Every rank folder gets an index (HFWriter writes one only when it split into several files)."""
+    par = plan.parallel
+    total = sum(s.nbytes for s in writer.specs.values())
+    index = {
+        "metadata": {"total_size": total, "tp_size": par.tp, "tp_rank": rank, "ep_size": par.ep,
+                     "ep_rank": par.ep_rank(rank), "moe_tp_size": par.moe_tp, "moe_tp_rank": par.moe_tp_rank(rank)},
+        "weight_map": dict(sorted(writer.weight_map.items())),
+    }
+    (writer.staging.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def build_manifest(ckpt: HFCheckpoint, plan: ShardPlan, source_info: dict[str, Any],
+                   files: dict[str, Any], headers: dict[str, RawHeader]) -> dict[str, Any]:
+    par = plan.parallel
+    rank_bytes = plan.rank_bytes()
+    counts = [0] * par.tp
+    for p in plan.placements:
+        for r in p.ranks():
+            counts[r] += 1
+    where = {name: f for f, hd in headers.items() for name in hd.entries}
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "plan": {"tp": par.tp, "ep": par.ep, "moe_tp": par.moe_tp,
+                 "rank_order": "rank r is EP rank r // moe_tp, moe-TP rank r % moe_tp"},
+        "model": {"variant": ckpt.plan.variant, "precision_plan": str(ckpt.plan),
+                  "config": f"{SOURCE_DIR}/config.json"},
+        "ranks": [{"rank": r, "dir": rank_dir(r), "ep_rank": par.ep_rank(r), "moe_tp_rank": par.moe_tp_rank(r),
+                   "tensors": counts[r], "bytes": rank_bytes[r]} for r in par.ranks],
+        "experts": {str(e): v for e, v in plan.expert_ownership().items()},
+        "rules": {pattern: {**rule.to_json(), "describe": rule.describe()} for pattern, rule in SPLITS.items()},
+        "tensors": {p.name: {"shape": list(p.spec.shape), "dtype": DTYPE_TO_ST[p.spec.dtype],
+                             "split": p.rule.split.value, "dim": p.dim, "pieces": p.pieces,
+                             "holders": list(p.holders), "source_file": where[p.name]}
+                    for p in plan.placements},
+        "source": source_info,
+        "files": files,
+    }
+
+
+# ---- reading a sharded folder ---------------------------------------------------------------
+
+class ShardedCheckpoint:
+    """A sharded folder opened for reading: checks it, then hands out whole (global) tensors."""
+
+    def __init__(self, root: Path, manifest: dict[str, Any]):
+        self.root = root
+        self.manifest = manifest
+        self.config = read_json(root / SOURCE_DIR / "config.json")
+        self.cfg = InklingConfig.from_dict(self.config)
+        qpath = root / SOURCE_DIR / QUANT_CONFIG
+        self.plan: PrecisionPlan = plan_from_quant_config(
+            self.cfg, read_json(qpath) if qpath.is_file() else None, self.config.get("quantization_config"))
+        self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+        self._where: dict[tuple[int, str], tuple[str, int, int]] = {}  # (rank, name) -> file, start, stop
+        self._fds: dict[str, int] = {}
+
+    @classmethod
+    def open(cls, root: str | Path, *, verify_checksums: bool = True, progress: bool = False) -> "ShardedCheckpoint":
+        root = Path(root)
+        man_path = root / MANIFEST
+        if not man_path.is_file():
+            raise CheckpointError(f"{root}: no {MANIFEST}; not a sharded checkpoint")
+        try:
+            manifest = json.loads(man_path.read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{man_path}: cannot read ({e})") from None
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise CheckpointError(f"{man_path}: not an {FORMAT} v{VERSION} manifest")
+        check_files(root, manifest["files"], verify_checksums=verify_checksums, progress=progress)
+        ckpt = cls(root, manifest)
+        ckpt._index_ranks()
+        return ckpt
+
+    def _index_ranks(self) -> None:
+        for r in self.manifest["ranks"]:
+            d = self.root / r["dir"]
+            weight_map = read_json(d / INDEX).get("weight_map", {})
+            headers: dict[str, RawHeader] = {}
+            for name, f in weight_map.items():
+                if f not in headers:
+                    headers[f] = raw_header(d / f)
+                entry = headers[f].entries.get(name)
+                if entry is None:
+                    raise CheckpointError(f"{d / f}: index lists {name} but the file does not hold it")
+                self._where[(r["rank"], name)] = (f"{r['dir']}/{f}", headers[f].data_start + entry[2],
+                                                  headers[f].data_start + entry[3])
+        for name, t in self.tensors.items():
+            for rank, piece in enumerate(t["holders"]):
+                if piece is not None and (rank, name) not in self._where:
+                    raise CheckpointError(f"{self.root / rank_dir(rank)}: missing {name}")
+
+    def _read(self, rank: int, name: str) -> bytes:
+        rel, a, b = self._where[(rank, name)]
+        fd = self._fds.get(rel)
+        if fd is None:
+            fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
+        data = os.pread(fd, b - a, a)
+        if len(data) != b - a:
+            raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
+        return data
+
+    def raw(self, name: str) -> bytes:
+        """The global tensor's bytes, reassembled from the lowest rank holding each piece."""
+        t = self.tensors[name]
+        holders, pieces, dim = t["holders"], t["pieces"], t["dim"]
+        parts = [self._read(holders.index(p), name) for p in range(pieces)]
+        if dim is None or dim == 0 or pieces == 1:
+            return b"".join(parts)
+        shape = t["shape"]
+        item = ST_TO_DTYPE[t["dtype"]].itemsize
+        local = list(shape)
+        local[dim] //= pieces
+        byte_shape = (*local[:-1], local[-1] * item)
+        arrays = [np.frombuffer(p, dtype=np.uint8).reshape(byte_shape) for p in parts]
+        return np.concatenate(arrays, axis=dim).tobytes()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"{self.root}: no tensor {name}")
+        t = self.tensors[name]
+        return bytes_to_tensor(bytearray(self.raw(name)), tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]])
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksums: bool = True,
+                progress: bool = False) -> None:
+    """Every file the manifest lists is there, whole, and (optionally) has its sha256."""
+    for rel, info in sorted(files.items()):
+        p = root / rel
+        if not p.is_file():
+            raise CheckpointError(f"{p}: missing (the manifest lists it; the sharded folder is incomplete)")
+        size = p.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"{p}: truncated or altered: {size} bytes, the manifest says {info['bytes']}")
+    if not verify_checksums:
+        return
+    total = sum(info["bytes"] for info in files.values())
+    with ByteProgress(total, desc="checksums", enabled=progress) as bar:
+        for rel, got in _hash_files(root, sorted(files)).items():
+            if got["sha256"] != files[rel]["sha256"]:
+                raise IntegrityError(f"{root / rel}: sha256 {got['sha256'][:16]}… does not match the manifest's "
+                                     f"{files[rel]['sha256'][:16]}…; the file is corrupted")
+            bar.advance(got["bytes"])
+
+
+# ---- merge --------------------------------------------------------------------------------
+
+@dataclass
+class MergeResult:
+    out: Path
+    skipped: bool = False
+    files: int = 0
+    bytes: int = 0
+
+
+def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bool = True) -> MergeResult:
+    """Reassemble the source checkpoint of the sharded folder ``dst`` into ``out``, byte for byte."""
+    sharded = ShardedCheckpoint.open(dst, progress=progress)
+    man = sharded.manifest
+    root = sharded.root
+    sources = man["source"]
+    job = {"command": "merge", "manifest_sha256": sha256_file(root / MANIFEST)}
+    result = MergeResult(Path(out), files=len(sources))
+    try:
+        with Staging(out, job, force=force) as st:
+            if st.done:
+                result.skipped = True
+                return result
+            total = sum(info["bytes"] for info in sources.values())
+            with ByteProgress(total, desc="merge", enabled=progress) as bar:
+                for name, info in sorted(sources.items()):
+                    if "header" in info:
+                        _merge_file(sharded, name, info, st, bar.advance)
+                    else:
+                        shutil.copyfile(root / SOURCE_DIR / name, st.path / name)
+                        if sha256_file(st.path / name) != info["sha256"]:
+                            raise IntegrityError(f"{root / SOURCE_DIR / name}: does not match the source's sha256")
+                        bar.advance(info["bytes"])
+            result.bytes = total
+    finally:
+        sharded.close()
+    return result
+
+
+def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st: Staging,
+                advance: Callable[[int], None]) -> None:
+    header_path = sharded.root / info["header"]
+    blob = header_path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    entries = json.loads(blob[8:8 + n])
+    entries.pop("__metadata__", None)
+    order = sorted(entries, key=lambda k: entries[k]["data_offsets"][0])
+    h = hashlib.sha256(blob)
+    path = st.partial(name)
+    with open(path, "wb") as f:
+        f.write(blob)
+        pos = 0
+        for tname in order:
+            a, b = entries[tname]["data_offsets"]
+            if a != pos:
+                raise CheckpointError(f"{header_path}: {tname} does not follow the previous tensor; cannot rebuild")
+            if tname not in sharded.tensors:
+                raise CheckpointError(f"{header_path}: {tname} is not in the manifest")
+            data = sharded.raw(tname)
+            if len(data) != b - a:
+                raise CheckpointError(f"{sharded.root}: {tname} reassembles to {len(data)} bytes, expected {b - a}")
+            f.write(data)
+            h.update(data)
+            pos = b
+            advance(b - a)
+    if h.hexdigest() != info["sha256"]:
+        raise IntegrityError(f"merged {name} does not match the source's sha256 {info['sha256'][:16]}…")
+    st.finish(name)
+
+
+def describe_plan(plan: ShardPlan) -> dict[str, Any]:
+    """The plan as JSON-ready data for ``--dry-run`` (no I/O)."""
+    rules: dict[str, dict[str, Any]] = {}
+    for p in plan.placements:
+        key = p.spec.row.pattern
+        if key not in rules:
+            rules[key] = {**p.rule.to_json(), "describe": p.rule.describe(), "tensors": 0}
+        rules[key]["tensors"] += 1
+    return {"plan": {"tp": plan.tp, "ep": plan.parallel.ep, "moe_tp": plan.parallel.moe_tp},
+            "experts": plan.expert_ownership(), "rules": rules}
+
+
+def open_any(path: str | Path, **kw: Any) -> Any:
+    """A sharded folder (with a manifest) or an HF checkpoint."""
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return ShardedCheckpoint.open(p, **kw)
+    return HFCheckpoint.open(path)
+
+
+__all__ = ["shard", "merge", "ShardedCheckpoint", "MANIFEST", "plan_checkpoint", "describe_plan", "open_any",
+           "check_files", "rank_dir", "raw_header"]
