@@ -179,7 +179,7 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
             local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
             writers.append(HFWriter(_RankStaging(st, rank_dir(r)), local, max_shard_size))
         by_name = {p.name: p for p in plan.placements}
-        total = sum(os.path.getsize(ckpt.root / f) for f in shards)
+        total = sum(p.spec.nbytes for p in plan.placements)
         source_info: dict[str, dict[str, Any]] = {}
         with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
             try:
