@@ -26,6 +26,7 @@ def _register() -> None:
     # Import for their side effect: each module adds its commands to ``app``.
     from . import checkpoint  # noqa: F401
     from . import shard, memory  # noqa: F401
+    from . import convert  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

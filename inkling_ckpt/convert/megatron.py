@@ -162,6 +162,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
         return m.build_chunk(item.key, item.offsets, item.sizes, get_hf)
 
     total = sum(c.nbytes for c in my_chunks)
+    order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     if world.rank == 0:
         with Staging(dst, job, force=force) as st:
             status = {"done": st.done, "path": str(st.path), "resumed": st.resumed}
@@ -171,7 +172,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
                 _all_ok(None, world)
                 return result
             result.resumed = st.resumed
-            err = _write_share(Path(st.path) / RELEASE, my_chunks, my_objects, produce, total, progress)
+            err = _write_share(Path(st.path) / RELEASE, my_chunks, my_objects, produce, total, progress, order)
             _all_ok(err, world)  # all ranks have written; .metadata is there
             finish_iteration_dir(Path(st.path) / RELEASE, common_state(
                 inkling={"version": __version__, "vocab_size": src.cfg.vocab_size, "vocab_rows": m.vocab_rows,
@@ -186,7 +187,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
             result.skipped = True
             _all_ok(None, world)
             return result
-        err = _write_share(Path(status["path"]) / RELEASE, my_chunks, my_objects, produce, total, progress=False)
+        err = _write_share(Path(status["path"]) / RELEASE, my_chunks, my_objects, produce, total, False, order)
         _all_ok(err, world)
         _all_ok(None, world)
     result.tensors = len(m.megatron_keys())
@@ -195,12 +196,13 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
 
 
 def _write_share(folder: Path, chunks: list[ChunkItem], objects: list[ObjectItem], produce: Callable[[ChunkItem], torch.Tensor],
-                 total: int, progress: bool) -> BaseException | None:
+                 total: int, progress: bool, order: list[str]) -> BaseException | None:
     """This rank's part of the collective DCP save; returns the error instead of raising it."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
         with ByteProgress(total, desc="hf-to-megatron", enabled=progress) as bar:
-            write_dcp(folder, chunks, objects, produce, on_written=bar.advance, save_id=f"inkling-{__version__}")
+            write_dcp(folder, chunks, objects, produce, on_written=bar.advance, save_id=f"inkling-{__version__}",
+                      key_order=order)
     except (InklingError, OSError) as e:
         return e
     return None

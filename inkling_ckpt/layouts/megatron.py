@@ -32,6 +32,7 @@ import io
 import json
 import os
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,11 +165,43 @@ class _LazyPlanner(DefaultSavePlanner):
 class _UnitWriter(FileSystemWriter):
     """A DCP storage writer: one file per unit, finished atomically, skipped when already done."""
 
-    def __init__(self, path: Path, *, on_written: Callable[[int], None] | None = None, save_id: str = "inkling"):
+    def __init__(self, path: Path, *, on_written: Callable[[int], None] | None = None, save_id: str = "inkling",
+                 key_order: Sequence[str] = ()):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
         self._on_written = on_written or (lambda n: None)
         self._save_id = save_id
+        self._order = {k: i for i, k in enumerate(key_order)}
         self.units_resumed = 0
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` in a canonical form: the same bytes whatever the number of ranks."""
+        def order(k: str) -> tuple[int, str]:
+            return (self._order.get(k, len(self._order)), k)
+
+        sdm: dict[str, Any] = {}
+        hint: dict[tuple[str, tuple[int, ...]], int] = {}
+        for key in sorted(metadata.state_dict_metadata, key=order):
+            md = metadata.state_dict_metadata[key]
+            if isinstance(md, TensorStorageMetadata):
+                chunks = sorted(((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks))
+                for i, (off, _) in enumerate(chunks):
+                    hint[(key, off)] = i
+                sdm[sys.intern(key)] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=md.properties.dtype), size=torch.Size(tuple(md.size)),
+                    chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(z)) for o, z in chunks])
+            else:
+                sdm[sys.intern(key)] = BytesStorageMetadata()
+        flat = sorted((wr for rs in results for wr in rs),
+                      key=lambda wr: (order(wr.index.fqn), tuple(wr.index.offset or ())))
+        canon = [WriteResult(
+            # Interned strings: pickle memoises by identity, so equal strings must be one object
+            # for the bytes not to depend on which rank produced them.
+            index=MetadataIndex(sys.intern(wr.index.fqn), torch.Size(tuple(wr.index.offset)) if wr.index.offset is not None else None,
+                                hint.get((wr.index.fqn, tuple(wr.index.offset or ())))),
+            size_in_bytes=wr.size_in_bytes,
+            storage_data=_StorageInfo(sys.intern(wr.storage_data.relative_path), wr.storage_data.offset, wr.storage_data.length),
+        ) for wr in flat]
+        super().finish(Metadata(state_dict_metadata=sdm), [canon])
 
     def storage_meta(self) -> StorageMeta | None:
         # Deterministic: no temporary paths or random ids in .metadata.
@@ -250,13 +283,14 @@ def _read_sidecar(path: Path, name: str, items: list[WriteItem]) -> list[WriteRe
 
 def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[ObjectItem], produce: Produce, *,
               on_written: Callable[[int], None] | None = None, process_group: Any = None,
-              save_id: str = "inkling") -> int:
+              save_id: str = "inkling", key_order: Sequence[str] = ()) -> int:
     """Write this rank's chunks and objects; collectively write ``.metadata`` (rank 0).
 
     Call on every rank with that rank's items (disjoint across ranks). Returns how many units
-    were found finished from an earlier, interrupted run.
+    were found finished from an earlier, interrupted run. ``key_order`` (every rank's keys) makes
+    ``.metadata`` list keys in that order, so its bytes do not depend on the number of ranks.
     """
-    writer = _UnitWriter(folder, on_written=on_written, save_id=save_id)
+    writer = _UnitWriter(folder, on_written=on_written, save_id=save_id, key_order=key_order)
     planner = _LazyPlanner(chunks, objects, produce)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:

@@ -1,0 +1,141 @@
+"""``inkling-ckpt convert``: HF ⇄ Megatron torch_dist, and HF → HF under a new precision plan."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+
+from ..convert.experts import SCALE_POLICIES
+from ..convert.megatron import hf_to_megatron, megatron_to_hf
+from ..convert.requantize import requantize
+from ..errors import PlanError
+from ..layouts.hf import HFCheckpoint, parse_size
+from ..model.precision import PrecisionPlan
+from .app import app
+from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
+
+convert_app = typer.Typer(
+    name="convert",
+    help=(
+        "Convert between Hugging Face checkpoints (BF16, MXFP8, NVFP4, mixed) and Megatron-Core torch_dist.\n\n"
+        "Every conversion streams tensor by tensor (memory stays at a few tensors), validates the whole "
+        "input before writing, publishes DST atomically, skips a finished job unless --force, and resumes "
+        "an interrupted one when rerun with the same arguments."
+    ),
+    no_args_is_help=True,
+)
+app.add_typer(convert_app)
+
+SCALES_HELP = (
+    "NVFP4 global/input scales: 'keep' takes them from the reference (unchanged weights then come back "
+    "byte-identical), 'fresh' recomputes them from the weights."
+)
+
+
+@contextmanager
+def _torchrun() -> Iterator[None]:
+    """Join the process group when started by torchrun (gloo: the collectives only exchange plans)."""
+    import torch.distributed as dist
+
+    started = False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+        started = True
+    try:
+        yield
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _scales(value: str) -> str:
+    if value not in SCALE_POLICIES:
+        raise PlanError(f"--scales {value!r}; choose one of {', '.join(SCALE_POLICIES)}")
+    return value
+
+
+@convert_app.command("hf-to-megatron")
+def hf_to_megatron_cmd(
+    src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
+    dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
+    pad_vocab_to_multiple: Optional[int] = typer.Option(
+        None, "--pad-vocab-to-multiple", metavar="N",
+        help="Store the embedding and output layer zero-padded to a multiple of N rows (Megatron's padded size, "
+             "e.g. 128*TP). Default: the true vocab_size rows; Megatron pads at load."),
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes, BF16).
+
+    Routed experts are decoded from their layer's format to BF16 and stacked per layer (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2*I, H], gate then up), stored one chunk per expert. q/k/v are fused by query group. The vision tower is not part of a Megatron checkpoint. Load it with any TP/EP/PP; metadata.json is written last.
+
+    Under `torchrun --nproc_per_node N` the ranks split the layers and write one checkpoint together (the same files as a one-process run).
+
+    Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
+    """
+    with _torchrun():
+        ckpt = HFCheckpoint.open(src)
+        result = hf_to_megatron(ckpt, dst, pad_vocab_to_multiple=pad_vocab_to_multiple, force=force,
+                                progress=not quiet and _rank() == 0)
+        if _rank() == 0:
+            report(result, "conversion")
+
+
+@convert_app.command("megatron-to-hf")
+def megatron_to_hf_cmd(
+    src: Path = typer.Argument(..., help="Megatron torch_dist checkpoint: the save folder or an iteration folder (release/, iter_N/)."),
+    dst: Path = typer.Argument(..., help="Destination HF checkpoint folder (published atomically)."),
+    reference: str = typer.Option(..., "--reference", help="The HF checkpoint the weights came from: gives the configs, "
+                                                           "the vision tower, the default plan and the kept scales."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or bf16. "
+                                                            "Default: the reference's."),
+    scales: str = typer.Option("keep", "--scales", help=SCALES_HELP),
+    max_shard_size: str = SHARD_OPT,
+    allow_nonfinite: bool = NONFINITE_OPT,
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Bring trained Megatron weights back to HF in the served precision.
+
+    Each routed expert is re-encoded in its layer's format; everything else is copied back (vocabulary padding stripped). With --scales keep and unchanged weights the output is byte-identical to the reference.
+
+    Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
+    """
+    ref = HFCheckpoint.open(reference)
+    p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
+    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales),  # type: ignore[arg-type]
+                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
+                            force=force, progress=not quiet)
+    report(result, "conversion")
+
+
+@convert_app.command("hf-to-hf")
+def hf_to_hf_cmd(
+    src: str = typer.Argument(..., help="Source HF checkpoint (any variant)."),
+    dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
+    plan: str = typer.Option(..., "--plan", help="Target per-layer expert formats: e.g. mxfp8, bf16, 0-39:nvfp4,40-47:mxfp8."),
+    scales: str = typer.Option("fresh", "--scales", help=SCALES_HELP + " 'keep' needs an NVFP4 source layer."),
+    max_shard_size: str = SHARD_OPT,
+    allow_nonfinite: bool = NONFINITE_OPT,
+    force: bool = FORCE_OPT,
+    quiet: bool = QUIET_OPT,
+) -> None:
+    """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
+
+    Layers whose format does not change are copied part for part; others are decoded to BF16 and encoded in the target format. Everything else is copied bit for bit.
+
+    Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
+    """
+    ckpt = HFCheckpoint.open(src)
+    result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
+                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                        progress=not quiet, command="hf-to-hf")
+    report(result, "conversion")
