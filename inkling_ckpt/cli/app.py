@@ -25,7 +25,9 @@ app = typer.Typer(
 def _register() -> None:
     # Import for their side effect: each module adds its commands to ``app``.
     from . import checkpoint  # noqa: F401
-    from . import shard, memory  # noqa: F401
+    from . import shard  # noqa: F401
+    from . import memory  # noqa: F401
+    from . import verify  # noqa: F401
     from . import convert  # noqa: F401
 
 

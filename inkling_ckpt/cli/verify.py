@@ -1,0 +1,47 @@
+"""``inkling-ckpt verify``: how far one checkpoint is from another, tensor by tensor."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..verify.compare import SCHEMA, build_report, compare, plot_report, render_report
+from .app import app
+
+_HELP = f"""Compare checkpoint B against the reference A, tensor by tensor, after decoding.
+
+A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model.
+Routed experts are decoded per linear to float32; other tensors are compared as stored.
+Per tensor, per layer and per format: bit-exact elements, max abs error, relative RMSE
+sqrt(sum e^2 / sum a^2), SQNR 10*log10(sum a^2 / sum e^2); worst tensors first.
+
+--json prints the report in schema {SCHEMA} (documented in inkling_ckpt/verify/compare.py).
+--plot FILE.png draws SQNR per layer, one line per expert format (needs the 'plot' extra).
+Exit status: 0 when the thresholds hold (--min-sqnr DB for every tensor, --exact for bit
+identity), 1 when they do not, 2 on bad input.
+"""
+
+
+@app.command("verify", help=_HELP)
+def verify_cmd(
+    a: str = typer.Argument(..., metavar="CKPT_A", help="Reference checkpoint (e.g. the BF16 source)."),
+    b: str = typer.Argument(..., metavar="CKPT_B", help="Checkpoint to measure against A."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write SQNR per layer by format to this PNG."),
+    min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", help="Fail (exit 1) if any tensor is below this SQNR (dB)."),
+    exact: bool = typer.Option(False, "--exact", help="Fail (exit 1) unless every tensor is bit-exact."),
+    top: int = typer.Option(15, "--top", help="Worst tensors to list in the table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    rep = build_report(compare(a, b, progress=not quiet), min_sqnr=min_sqnr, exact=exact)
+    if plot is not None:
+        plot_report(rep, plot)
+    typer.echo(json.dumps(rep, indent=2) if as_json else render_report(rep, top=top))
+    if not rep["thresholds"]["passed"]:
+        if as_json:
+            print(f"inkling-ckpt: verify: {rep['thresholds']['failures']} tensors fail the threshold", file=sys.stderr)
+        raise typer.Exit(1)

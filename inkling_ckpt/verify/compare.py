@@ -1,0 +1,306 @@
+"""Compare two checkpoints of one model tensor by tensor, after decoding.
+
+``A`` is the reference, ``B`` the candidate; either may be an HF checkpoint (BF16, mixed,
+MXFP8, NVFP4) or a sharded folder (``inkling-ckpt shard``). Routed experts are compared per
+linear (``…experts.{e}.{proj}``), each side decoded from its stored format to float32; every
+other tensor is compared as stored (BF16/F32, widened to float32).
+
+Per compared tensor, with ``a``, ``b`` the float32 values and ``e = b − a``:
+
+* ``exact``: elements whose float32 bits are equal (so -0.0 ≠ +0.0 and NaN = NaN at the same place);
+* ``max_abs``: max ``|e|``;  ``rel_rmse``: ``sqrt(Σe² / Σa²)``;
+* ``sqnr_db``: ``10·log10(Σa² / Σe²)`` (``null`` in JSON when ``e`` is all zero: exact).
+
+Non-finite elements that differ count as inexact and are left out of the sums.
+
+Report (``--json``), schema ``inkling-ckpt/verify-report/v1``::
+
+    {"schema": "inkling-ckpt/verify-report/v1",
+     "a": {"path", "variant", "plan"}, "b": {...},
+     "summary": {"tensors", "bit_exact_tensors", "elements", "exact_elements", "exact_fraction",
+                 "min_sqnr_db", "max_abs"},
+     "formats": {FORMAT: STATS},            # FORMAT: "nvfp4", "mxfp8", "bf16", "dense", or "x->y"
+     "layers":  [{"layer", "format", **STATS}],       # routed experts per decoder layer
+     "tensors": [{"name", "format", "layer", **STATS}],  # worst first
+     "thresholds": {"min_sqnr_db", "exact", "passed", "failures"}}
+    STATS = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs",
+             "rel_rmse", "sqnr_db"}                   # per tensor: "tensors" == 1
+
+``FORMAT`` is the expert format being measured: the quantized side's format when the other
+side is BF16, the shared format when both agree, ``"x->y"`` when both are quantized
+differently; ``"dense"`` is everything that is not a routed expert. Layer and format figures
+pool the sums of their tensors (so their SQNR is energy-weighted, not a mean of dBs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ..errors import CheckpointError
+from ..formats import get_format
+from ..layouts.sharded import open_any
+from ..model.inventory import expert_linears, inventory
+from ..progress import ByteProgress
+
+SCHEMA = "inkling-ckpt/verify-report/v1"
+DENSE = "dense"
+
+
+@dataclass
+class Stats:
+    """Pooled error sums of one or more tensors."""
+
+    tensors: int = 0
+    bit_exact_tensors: int = 0
+    elements: int = 0
+    exact_elements: int = 0
+    signal: float = 0.0  # Σa²
+    noise: float = 0.0  # Σe²
+    max_abs: float = 0.0
+
+    def add(self, other: "Stats") -> None:
+        self.tensors += other.tensors
+        self.bit_exact_tensors += other.bit_exact_tensors
+        self.elements += other.elements
+        self.exact_elements += other.exact_elements
+        self.signal += other.signal
+        self.noise += other.noise
+        self.max_abs = max(self.max_abs, other.max_abs)
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.noise == 0.0:
+            return math.inf
+        if self.signal == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.signal / self.noise)
+
+    @property
+    def rel_rmse(self) -> float:
+        if self.signal == 0.0:
+            return 0.0 if self.noise == 0.0 else math.inf
+        return math.sqrt(self.noise / self.signal)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "bit_exact_tensors": self.bit_exact_tensors, "elements": self.elements,
+                "exact_elements": self.exact_elements, "max_abs": self.max_abs,
+                "rel_rmse": _finite(self.rel_rmse), "sqnr_db": _finite(self.sqnr_db)}
+
+
+def _finite(x: float) -> float | None:
+    return None if math.isinf(x) or math.isnan(x) else x
+
+
+def tensor_stats(a: torch.Tensor, b: torch.Tensor) -> Stats:
+    """Error of ``b`` against the reference ``a`` (same shape), computed in float32/float64."""
+    a = a.to(torch.float32).reshape(-1)
+    b = b.to(torch.float32).reshape(-1)
+    same = a.view(torch.int32) == b.view(torch.int32)
+    exact = int(same.sum())
+    s = Stats(tensors=1, elements=a.numel(), exact_elements=exact, bit_exact_tensors=int(exact == a.numel()))
+    if exact == a.numel():
+        s.signal = float(a.double().square().sum())
+        return s
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    a64, b64 = a[finite].double(), b[finite].double()
+    e = b64 - a64
+    s.signal = float(a64.square().sum())
+    s.noise = float(e.square().sum())
+    s.max_abs = float(e.abs().max()) if e.numel() else math.inf
+    if not bool((same | finite).all()):
+        s.max_abs = math.inf  # a non-finite value that differs
+    return s
+
+
+@dataclass
+class Item:
+    name: str
+    fmt: str
+    layer: int | None
+    stats: Stats
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "format": self.fmt, "layer": self.layer, **self.stats.to_json()}
+
+
+@dataclass
+class Comparison:
+    a: dict[str, Any]
+    b: dict[str, Any]
+    items: list[Item] = field(default_factory=list)
+
+
+def _label(fa: str, fb: str) -> str:
+    if fa == fb:
+        return fa
+    if fa == "bf16":
+        return fb
+    if fb == "bf16":
+        return fa
+    return f"{fa}->{fb}"
+
+
+def _decode(src: Any, parts: dict[str, str], fmt: str) -> torch.Tensor:
+    """A stored expert linear decoded to float32 (BF16 is widened as stored)."""
+    tensors = {part: src.get(name) for part, name in parts.items()}
+    if fmt == "bf16":
+        return tensors["weight"].to(torch.float32)
+    return get_format(fmt).decode(tensors, torch.float32)
+
+
+def _describe(src: Any, path: str | Path) -> dict[str, Any]:
+    return {"path": str(path), "variant": src.plan.variant, "plan": str(src.plan)}
+
+
+def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
+    """(name, format label, layer, bytes of A, loader) for every logical tensor, in checkpoint order."""
+    cfg = a.cfg
+    for spec in inventory(cfg, a.plan):
+        if spec.part is None:
+            yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: (a.get(n), b.get(n)))
+    for layer in range(cfg.num_hidden_layers):
+        for la, lb in zip(expert_linears(cfg, a.plan, layer), expert_linears(cfg, b.plan, layer)):
+            pa = {s.part: s.name for s in la.parts()}
+            pb = {s.part: s.name for s in lb.parts()}
+            nbytes = sum(s.nbytes for s in la.parts())
+            yield (la.module, _label(la.fmt, lb.fmt), layer, nbytes,
+                   lambda la=la, lb=lb, pa=pa, pb=pb: (_decode(a, pa, la.fmt), _decode(b, pb, lb.fmt)))
+
+
+def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True) -> Comparison:
+    """Decode and compare every tensor of two checkpoints of the same model."""
+    a, b = open_any(path_a), open_any(path_b)
+    if a.cfg != b.cfg:
+        diff = [k for k in a.cfg.__dataclass_fields__ if getattr(a.cfg, k) != getattr(b.cfg, k)]
+        raise CheckpointError(f"{path_a} and {path_b} are not the same model: their configs differ in {', '.join(diff)}")
+    out = Comparison(_describe(a, path_a), _describe(b, path_b))
+    pairs = list(iter_pairs(a, b))
+    with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
+        for name, fmt, layer, nbytes, load in pairs:
+            ta, tb = load()
+            if tuple(ta.shape) != tuple(tb.shape):
+                raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
+            out.items.append(Item(name, fmt, layer, tensor_stats(ta, tb)))
+            bar.advance(nbytes)
+    for src in (a, b):
+        src.close()
+    return out
+
+
+def _worst_key(item: Item) -> tuple[float, float]:
+    return (item.stats.sqnr_db, -item.stats.max_abs)
+
+
+def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool = False) -> dict[str, Any]:
+    """The JSON report (schema in the module docstring), with the threshold verdict."""
+    total, by_fmt = Stats(), {}
+    by_layer: dict[tuple[int, str], Stats] = {}
+    for it in cmp.items:
+        total.add(it.stats)
+        by_fmt.setdefault(it.fmt, Stats()).add(it.stats)
+        if it.fmt != DENSE and it.layer is not None:
+            by_layer.setdefault((it.layer, it.fmt), Stats()).add(it.stats)
+    items = sorted(cmp.items, key=_worst_key)
+    failures = []
+    for it in items:
+        if exact and it.stats.bit_exact_tensors != 1:
+            failures.append(f"{it.name} is not bit-exact")
+        elif min_sqnr is not None and it.stats.sqnr_db < min_sqnr:
+            failures.append(f"{it.name} at {it.stats.sqnr_db:.2f} dB")
+    worst = min((it.stats.sqnr_db for it in items), default=math.inf)
+    return {
+        "schema": SCHEMA,
+        "a": cmp.a,
+        "b": cmp.b,
+        "summary": {"tensors": total.tensors, "bit_exact_tensors": total.bit_exact_tensors,
+                    "elements": total.elements, "exact_elements": total.exact_elements,
+                    "exact_fraction": total.exact_elements / total.elements if total.elements else 1.0,
+                    "min_sqnr_db": _finite(worst), "max_abs": total.max_abs},
+        "formats": {k: v.to_json() for k, v in sorted(by_fmt.items())},
+        "layers": [{"layer": layer, "format": fmt, **s.to_json()} for (layer, fmt), s in sorted(by_layer.items())],
+        "tensors": [it.to_json() for it in items],
+        "thresholds": {"min_sqnr_db": min_sqnr, "exact": exact, "passed": not failures, "failures": len(failures),
+                       "first_failures": failures[:10]},
+    }
+
+
+def _db(x: float | None) -> str:
+    return "exact" if x is None else f"{x:.2f}"
+
+
+def render_report(rep: dict[str, Any], top: int = 15) -> str:
+    """Tables for people: summary, per format, per layer, worst tensors."""
+    s = rep["summary"]
+    lines = [
+        f"A {rep['a']['path']} ({rep['a']['variant']})  vs  B {rep['b']['path']} ({rep['b']['variant']})",
+        f"{s['tensors']} tensors, {s['bit_exact_tensors']} bit-exact; {s['exact_elements']}/{s['elements']} elements "
+        f"bit-exact ({100 * s['exact_fraction']:.2f}%); worst SQNR {_db(s['min_sqnr_db'])} dB",
+        "",
+        f"{'format':<14} {'tensors':>8} {'bit-exact':>10} {'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10}",
+    ]
+    for fmt, f in rep["formats"].items():
+        rr = "0" if f["rel_rmse"] == 0 else f"{f['rel_rmse']:.4g}"
+        lines.append(f"{fmt:<14} {f['tensors']:>8} {f['bit_exact_tensors']:>10} {_db(f['sqnr_db']):>9} {rr:>10} "
+                     f"{f['max_abs']:>10.4g}")
+    if rep["layers"]:
+        lines += ["", f"{'layer':>5} {'format':<14} {'tensors':>8} {'bit-exact':>10} {'SQNR dB':>9} {'max abs':>10}"]
+        for row in rep["layers"]:
+            lines.append(f"{row['layer']:>5} {row['format']:<14} {row['tensors']:>8} {row['bit_exact_tensors']:>10} "
+                         f"{_db(row['sqnr_db']):>9} {row['max_abs']:>10.4g}")
+    worst = [t for t in rep["tensors"] if t["bit_exact_tensors"] != 1][:top]
+    if worst:
+        lines += ["", f"worst {len(worst)} tensors:", f"{'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10}  name"]
+        for t in worst:
+            lines.append(f"{_db(t['sqnr_db']):>9} {t['rel_rmse']:>10.4g} {t['max_abs']:>10.4g}  {t['name']} [{t['format']}]")
+    th = rep["thresholds"]
+    if th["min_sqnr_db"] is not None or th["exact"]:
+        want = "bit-exact" if th["exact"] else f"SQNR >= {th['min_sqnr_db']} dB"
+        lines += ["", f"threshold {want}: " + ("passed" if th["passed"] else
+                                               f"FAILED for {th['failures']} tensors (first: {th['first_failures'][0]})")]
+    return "\n".join(lines)
+
+
+def plot_report(rep: dict[str, Any], path: str | Path) -> int:
+    """SQNR per layer, one line per expert format, to a PNG. Returns the number of lines drawn."""
+    try:
+        import matplotlib
+    except ImportError:
+        from ..errors import InklingError
+
+        raise InklingError("--plot needs matplotlib: pip install 'inkling-ckpt[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in rep["layers"]:
+        if row["sqnr_db"] is not None:
+            series.setdefault(row["format"], []).append((row["layer"], row["sqnr_db"]))
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    for fmt, pts in sorted(series.items()):
+        xs, ys = zip(*sorted(pts))
+        ax.plot(xs, ys, marker="o", label=fmt)
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("SQNR (dB)")
+    ax.set_title(f"routed experts: {Path(rep['b']['path']).name} vs {Path(rep['a']['path']).name}")
+    ax.grid(True, alpha=0.3)
+    if series:
+        ax.legend(title="format")
+    else:
+        ax.text(0.5, 0.5, "every routed expert is bit-exact", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except OSError as e:
+        from ..errors import OutputError
+
+        raise OutputError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
+    return len(series)

@@ -1,0 +1,128 @@
+"""verify: SQNR per format on the fixtures, bit-exactness, JSON schema, thresholds, the plot."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_ckpt.cli.app import main
+from inkling_ckpt.errors import CheckpointError
+from inkling_ckpt.layouts.sharded import shard
+from inkling_ckpt.verify.compare import SCHEMA, build_report, compare, plot_report, tensor_stats
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.fixture(scope="module")
+def mixed_vs_bf16():
+    return build_report(compare(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed", progress=False))
+
+
+def test_tensor_stats_definitions():
+    a = torch.tensor([1.0, -2.0, 0.0, 4.0])
+    b = torch.tensor([1.0, -2.5, -0.0, 4.0])
+    s = tensor_stats(a, b)
+    assert (s.elements, s.exact_elements, s.bit_exact_tensors) == (4, 2, 0)  # -0.0 is not +0.0 bit for bit
+    assert s.max_abs == 0.5
+    assert s.sqnr_db == pytest.approx(10 * math.log10(21 / 0.25))
+    assert s.rel_rmse == pytest.approx(math.sqrt(0.25 / 21))
+    same = tensor_stats(a, a.clone())
+    assert same.bit_exact_tensors == 1 and same.sqnr_db == math.inf and same.rel_rmse == 0.0
+    nan = tensor_stats(torch.tensor([float("nan"), 1.0]), torch.tensor([float("nan"), 1.0]))
+    assert nan.bit_exact_tensors == 1
+
+
+def test_mixed_vs_bf16_sqnr_per_format(mixed_vs_bf16):
+    f = mixed_vs_bf16["formats"]
+    assert set(f) == {"dense", "nvfp4", "mxfp8"}
+    assert 19.5 < f["nvfp4"]["sqnr_db"] < 21.5  # ~20 dB on Gaussian-like weights
+    assert 30.5 < f["mxfp8"]["sqnr_db"] < 32.5  # ~31 dB
+    assert f["dense"]["bit_exact_tensors"] == f["dense"]["tensors"] and f["dense"]["sqnr_db"] is None
+    assert [(r["layer"], r["format"]) for r in mixed_vs_bf16["layers"]] == [
+        (0, "nvfp4"), (1, "nvfp4"), (2, "mxfp8"), (3, "mxfp8")]
+    assert all(r["tensors"] == 8 * 3 for r in mixed_vs_bf16["layers"])
+    sq = [t["sqnr_db"] for t in mixed_vs_bf16["tensors"] if t["sqnr_db"] is not None]
+    assert sq == sorted(sq)  # worst first
+    assert mixed_vs_bf16["tensors"][0]["format"] == "nvfp4"
+
+
+def test_report_schema(mixed_vs_bf16):
+    rep = mixed_vs_bf16
+    assert rep["schema"] == SCHEMA
+    assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds"}
+    stats = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs", "rel_rmse", "sqnr_db"}
+    assert all(set(v) == stats for v in rep["formats"].values())
+    assert all(set(r) == stats | {"layer", "format"} for r in rep["layers"])
+    assert all(set(t) == stats | {"name", "format", "layer"} for t in rep["tensors"])
+    assert set(rep["summary"]) == {"tensors", "bit_exact_tensors", "elements", "exact_elements", "exact_fraction",
+                                   "min_sqnr_db", "max_abs"}
+    json.dumps(rep, allow_nan=False)  # strict JSON: no Infinity/NaN
+
+
+def test_identical_and_resharded_are_bit_exact(tmp_path):
+    rep = build_report(compare(FIXTURES / "tiny-mixed", FIXTURES / "tiny-mixed", progress=False), exact=True)
+    assert rep["summary"]["exact_fraction"] == 1.0 and rep["thresholds"]["passed"]
+    shard(FIXTURES / "tiny-mixed", tmp_path / "sh", 4, 4, progress=False)
+    rep = build_report(compare(FIXTURES / "tiny-mixed", tmp_path / "sh", progress=False), exact=True)
+    assert rep["summary"]["bit_exact_tensors"] == rep["summary"]["tensors"] and rep["thresholds"]["passed"]
+
+
+def test_format_labels_between_quantized_variants():
+    rep = build_report(compare(FIXTURES / "tiny-mixed", FIXTURES / "tiny-mxfp8", progress=False))
+    assert set(rep["formats"]) == {"dense", "nvfp4->mxfp8", "mxfp8"}
+    assert rep["formats"]["mxfp8"]["bit_exact_tensors"] == rep["formats"]["mxfp8"]["tensors"]
+
+
+def _cli(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    return e.value.code, out.out, out.err
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--min-sqnr", "15"], 0), (["--min-sqnr", "25"], 1), (["--exact"], 1), ([], 0),
+])
+def test_cli_exit_status_follows_thresholds(args, code, capsys):
+    got, out, _ = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(FIXTURES / "tiny-mixed"), "-q", *args], capsys)
+    assert got == code
+    if code:
+        assert "FAILED" in out
+
+
+def test_cli_json(capsys):
+    code, out, _ = _cli(["verify", str(FIXTURES / "tiny-mxfp8"), str(FIXTURES / "tiny-mxfp8"), "-q", "--json",
+                         "--exact"], capsys)
+    rep = json.loads(out)
+    assert code == 0 and rep["summary"]["exact_fraction"] == 1.0
+
+
+def test_cli_bad_input(tmp_path, capsys):
+    code, _, err = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(tmp_path / "nope"), "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "nope" in err
+    other = tmp_path / "other"
+    shutil.copytree(FIXTURES / "tiny-bf16", other)
+    cfg = json.loads((FIXTURES / "tiny-bf16" / "config.json").read_text())
+    cfg["text_config"]["sliding_window"] = 32
+    (other / "config.json").unlink()
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="configs differ in sliding_window"):
+        compare(FIXTURES / "tiny-bf16", other, progress=False)
+
+
+def test_plot_one_line_per_format(mixed_vs_bf16, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    png = tmp_path / "sqnr.png"
+    assert plot_report(mixed_vs_bf16, png) == 2
+    img = matplotlib.image.imread(png)
+    assert img.shape[0] > 100 and img.shape[1] > 100
+    code, _, _ = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(FIXTURES / "tiny-mixed"), "-q", "--plot",
+                       str(tmp_path / "cli.png")], capsys)
+    assert code == 0 and (tmp_path / "cli.png").stat().st_size > 1000
