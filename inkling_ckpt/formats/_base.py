@@ -159,6 +159,44 @@ def require_parts(fmt_name: str, parts: Mapping[str, torch.Tensor], spec: Mappin
             raise FormatError(f"{fmt_name}: part {k!r} has dtype {t.dtype}, expected {dt}")
 
 
+# -- integer views of float tensors (fast paths) -------------------------------------------------
+
+_INT_VIEW = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 16),
+    torch.float16: (torch.int16, 0x7FFF, 16),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 32),
+}
+
+
+def block_amax_bits(xb: torch.Tensor) -> torch.Tensor:
+    """float32 max |x| over the last dim, via integers: clear the sign bit, take the integer max.
+
+    Non-negative IEEE floats order like their bit patterns, and NaN patterns sort above Inf,
+    so a block holding NaN yields NaN, as torch.amax would. About 3x faster than abs().amax()
+    for bf16 on CPU (no float conversion, no abs temporary of the float dtype).
+    """
+    itype, mask, _ = _INT_VIEW[xb.dtype]
+    return (xb.view(itype) & mask).amax(dim=-1).view(xb.dtype).float()
+
+
+def negative_nonzero_bit(xb: torch.Tensor, bit: int) -> torch.Tensor:
+    """Integer tensor (x's width) holding ``1 << bit`` where x < 0 or x is a NaN with its sign bit set, else 0.
+
+    Exact -0.0 gives 0. Computed without comparisons (bool outputs are slow on CPU):
+    ``-(x & magnitude_mask)`` has its top bit set iff the magnitude is non-zero (no overflow:
+    the magnitude is below 2^(w-1)); AND with x keeps it iff x's sign bit is set too; an
+    arithmetic right shift by ``w - 1 - bit`` then copies it down to ``bit``.
+    """
+    itype, mask, width = _INT_VIEW[xb.dtype]
+    xi = xb.view(itype)
+    t = xi & mask
+    t.neg_()
+    t &= xi
+    t >>= width - 1 - bit
+    t &= 1 << bit
+    return t
+
+
 def check_out_dtype(dtype: torch.dtype) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise FormatError(f"decode: target dtype must be a float dtype, got {dtype}")

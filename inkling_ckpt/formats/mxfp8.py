@@ -38,6 +38,7 @@ from ._base import (
     Format,
     Parts,
     PartSpec,
+    block_amax_bits,
     check_input,
     check_out_dtype,
     check_width,
@@ -45,7 +46,8 @@ from ._base import (
     require_parts,
     row_chunks,
 )
-from .encodings import E4M3, E5M2, E8M0, Encoding, decode_table
+from .encodings import E4M3, E5M2, E8M0, Encoding, decode_e8m0, decode_table
+from . import gpu as _gpu  # fused Triton kernels for CUDA tensors (Triton imported lazily)
 
 BLOCK = 32
 SCALE_MODES = ("rceil", "floor")
@@ -104,7 +106,7 @@ class MXFP8Format(Format):
     name = "mxfp8"
     block = BLOCK
 
-    def __init__(self, *, scale_mode: str = "rceil", element: str = "e4m3") -> None:
+    def __init__(self, *, scale_mode: str = "rceil", element: str = "e4m3", fast: bool = True) -> None:
         scale_mode = str(scale_mode).lower()
         element = str(element).lower()
         if scale_mode not in SCALE_MODES:
@@ -113,6 +115,8 @@ class MXFP8Format(Format):
             raise FormatError(f"mxfp8: unknown element {element!r}; known: {', '.join(ELEMENTS)}")
         self.scale_mode = scale_mode
         self.element = element
+        # fast=False: plain reference path (abs/amax, float8 casts); tests pin the two together.
+        self.fast = bool(fast)
         self.elem: Encoding = ELEMENTS[element]
         self.elem_dtype: torch.dtype = self.elem.torch_dtype  # type: ignore[assignment]
         # ModelOpt has no quant_algo for E5M2 elements: writers must not label them "MXFP8".
@@ -146,6 +150,10 @@ class MXFP8Format(Format):
         rows, width = check_input(self.name, x, name, BLOCK)
         x2 = x.detach().contiguous().view(rows, width)
         nb = width // BLOCK
+        if _gpu.wants(x2):  # CUDA tensor + Triton: one fused kernel, same bytes (formats/gpu)
+            weight, scale = _gpu.mxfp8_encode_2d(x2, self.scale_mode, self.element, name, allow_nonfinite)
+            lead = tuple(x.shape[:-1])
+            return {"weight": weight.view(*lead, width), "weight_scale": scale.view(*lead, nb)}
         weight = torch.empty((rows, width), dtype=self.elem_dtype, device=x.device)
         scale = torch.empty((rows, nb), dtype=torch.uint8, device=x.device)
         elem_max = self.elem.max
@@ -154,7 +162,10 @@ class MXFP8Format(Format):
         for r0, r1 in row_chunks(rows, width):
             n = r1 - r0
             xb = x2[r0:r1].view(n, nb, BLOCK)
-            bamax = xb.abs().amax(dim=-1).float()  # exact
+            if self.fast:
+                bamax = block_amax_bits(xb)
+            else:
+                bamax = xb.abs().amax(dim=-1).float()  # exact
             bad = None
             if not bool(torch.isfinite(bamax).all()):
                 if not allow_nonfinite:
@@ -165,14 +176,20 @@ class MXFP8Format(Format):
                 sbytes = scale_bytes_rceil(bamax, elem_max)
             else:
                 sbytes = scale_bytes_floor(bamax, emax)
-            inv = inv_table[sbytes.long()]  # 2^-e, exact power of two
-            y = xb * inv.unsqueeze(-1)  # float32, exact (a power-of-two scaling)
-            y.clamp_(-elem_max, elem_max)
-            q = y.to(self.elem_dtype)  # round-to-nearest-even; in range after the clamp
+            out = weight[r0:r1].view(n, nb, BLOCK)
+            if self.fast:
+                inv = inv_table.index_select(0, sbytes.view(-1).int()).view(n, nb, 1)  # 2^-e, exact
+                y = xb * inv  # float32, exact (a power-of-two scaling)
+                y.clamp_(-elem_max, elem_max)
+                out.copy_(y)  # round-to-nearest-even cast straight into the output
+            else:
+                inv = inv_table[sbytes.long()]
+                y = xb * inv.unsqueeze(-1)
+                y.clamp_(-elem_max, elem_max)
+                out.copy_(y.to(self.elem_dtype))
             if bad is not None:
                 sbytes[bad] = NAN_SCALE_BYTE
-                q.view(torch.uint8)[bad] = NAN_ELEM_BYTE
-            weight[r0:r1] = q.view(n, width)
+                out.view(torch.uint8)[bad] = NAN_ELEM_BYTE
             scale[r0:r1] = sbytes
         lead = tuple(x.shape[:-1])
         return {"weight": weight.view(*lead, width), "weight_scale": scale.view(*lead, nb)}
@@ -199,12 +216,20 @@ class MXFP8Format(Format):
         nb = width // BLOCK
         w2 = w.contiguous().view(rows, width)
         sc2 = sc.contiguous().view(rows, nb)
+        if _gpu.wants_decode(w2, dtype):  # CUDA tensor + Triton: fused kernel, same values
+            return _gpu.mxfp8_decode_2d(w2, sc2, self.element, dtype).view(*lead, width)
         out = torch.empty((rows, width), dtype=dtype, device=w.device)
         elem_table = decode_table(self.elem, w.device)
         scale_table = decode_table(E8M0, w.device)
         for r0, r1 in row_chunks(rows, width):
             n = r1 - r0
-            vals = elem_table[w2[r0:r1].view(torch.uint8).long()]
-            s = scale_table[sc2[r0:r1].long()]
+            wc, sc_c = w2[r0:r1].view(torch.uint8), sc2[r0:r1]
+            if self.fast:
+                # exact values by int32 index_select: faster than the float8 cast or int64 indexing
+                vals = elem_table.index_select(0, wc.reshape(-1).int())
+                s = scale_table.index_select(0, sc_c.reshape(-1).int()).view(n, nb)
+            else:
+                vals = w2[r0:r1].float()
+                s = decode_e8m0(sc_c)
             torch.mul(vals.view(n, nb, BLOCK), s.unsqueeze(-1), out=out[r0:r1].view(n, nb, BLOCK))
         return out.view(*lead, width)

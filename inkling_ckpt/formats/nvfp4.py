@@ -46,15 +46,18 @@ from ._base import (
     Parts,
     PartSpec,
     _group_names,
+    block_amax_bits,
     check_input,
     check_out_dtype,
     check_width,
+    negative_nonzero_bit,
     raise_nonfinite,
     require_parts,
     row_chunks,
     scalar_f32,
 )
-from .encodings import E2M1, E4M3, decode_table
+from .encodings import E2M1, E4M3, decode_e2m1, decode_table
+from . import gpu as _gpu  # fused Triton kernels for CUDA tensors (Triton imported lazily)
 
 BLOCK = 16
 E2M1_MAX = E2M1.max  # 6.0
@@ -105,49 +108,58 @@ def round_e2m1_reference(y: torch.Tensor) -> torch.Tensor:
     return code
 
 
-# Bit patterns used by the fast rounding (float32 fields: sign 1, exponent 8, mantissa 23).
-_MAGIC_HALF = 4194304.0  # 2^22: adding it rounds [0, 2^22) to a multiple of 0.5, ties to even
-_MAGIC_HALF_BITS = 0x4A800000  # bits of 2^22; (a + 2^22).bits - this = number of halves
-_KEEP1_BIAS = 0x1FFFFF  # half an ulp of a 1-mantissa-bit float, minus one, in bit 22 units
-_ONE_CODE_OFFSET = 252  # (bits >> 22) of 1.0 is 254; E2M1 code of 1.0 is 2
+# The fast rounding, in float32 bit fields (sign 1, exponent 8, mantissa 23). The E2M1 grid
+# has step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: step = 2^(max(e, 0) - 1) with e the
+# unbiased exponent. Adding M = step * 2^23 to |y| makes the float adder round |y| to a
+# multiple of step, ties to even (one IEEE rounding, exactly RNE on the grid), and leaves the
+# number of steps in the low mantissa bits of the sum: code = steps + 2 * max(e, 0).
+_E_FLOOR = 127  # biased exponent of 1.0: below it the grid step stays 0.5 (E2M1 subnormals)
+_M_EXP_OFFSET = 22  # M's biased exponent is max(E, 127) + 22, i.e. M = step * 2^23
+_CODE_BIAS = 298  # (M_bits >> 22) = 2 * (E + 22); code offset 2 * (E - 127) = that - 298
+
+
+def _e2m1_codes_i32(y: torch.Tensor) -> torch.Tensor:
+    """int32 magnitude codes 0..7 of float32 ``y`` (overwritten; the result shares its storage)."""
+    a = y.abs_()
+    a.clamp_(max=E2M1_MAX).nan_to_num_(nan=E2M1_MAX)  # saturate; NaN -> 6 like the reference
+    m = a.view(torch.int32) >> 23  # biased exponent E (a >= 0)
+    m.clamp_(min=_E_FLOOR)
+    m += _M_EXP_OFFSET
+    m <<= 23  # bits of M = 2^(max(E,127) - 127 + 22): ulp of M is the grid step
+    a += m.view(torch.float32)  # the rounding (RNE)
+    code = a.view(torch.int32)
+    code -= m  # number of steps above M
+    m >>= 22
+    m -= _CODE_BIAS  # 2 * (max(E,127) - 127)
+    code += m
+    return code
 
 
 def round_e2m1_fast(y: torch.Tensor) -> torch.Tensor:
-    """Same result as :func:`round_e2m1_reference` (bit-for-bit, tested), with integer bit tricks.
+    """Same result as :func:`round_e2m1_reference` (bit-for-bit, tested), without comparisons.
 
-    ``y`` must be float32; it is overwritten. For |y| < 1 the E2M1 grid has step 0.5 and the
-    code is the number of halves, which one float add of 2^22 rounds to nearest-even. For
-    |y| >= 1 an E2M1 value is a float with one mantissa bit: round the float32 bits to one
-    mantissa bit (add 0x1FFFFF plus the kept bit, the usual RNE carry) and read the code
-    off ``exponent*2 + mantissa_bit``.
+    ``y`` must be float32 and is overwritten. See the comment above for the method.
     """
-    a = y.abs_()
-    a = torch.where(a < E2M1_MAX, a, E2M1_MAX)  # saturate; NaN -> 6 like the reference
-    small = a < 1.0
-    lo = (a + _MAGIC_HALF).view(torch.int32)
-    lo -= _MAGIC_HALF_BITS
-    b = a.view(torch.int32)
-    hi = (b >> 22) & 1
-    hi += b
-    hi += _KEEP1_BIAS
-    hi >>= 22
-    hi -= _ONE_CODE_OFFSET
-    return torch.where(small, lo, hi).to(torch.uint8)
+    return _e2m1_codes_i32(y).to(torch.uint8)
 
 
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+def _pack_nibbles_reference(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [..., 2n] -> bytes [..., n] with element 2j in the low nibble."""
-    if _LITTLE_ENDIAN and codes.is_contiguous():
-        # Read pairs as one little-endian int16: lo | hi << 8 -> lo | hi << 4 in the low byte.
-        v = codes.view(torch.int16)
-        v = v | (v >> 4)
-        return v.to(torch.uint8)  # keeps the low byte (values < 2^15, no wrap concerns)
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """bytes [..., n] -> codes [..., 2n] (uint8), low nibble first."""
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+def _pack_codes_i32_into(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """int32 codes [n, 2m] (contiguous) -> ``out`` uint8 [n, m], element 2j in the low nibble.
+
+    On little-endian machines a pair of int32 codes read as one int64 is ``lo | hi << 32``;
+    ``v | v >> 28`` puts ``lo | hi << 4`` in the low byte, and the copy to uint8 keeps it.
+    """
+    if _LITTLE_ENDIAN:
+        v = codes.view(torch.int64)
+        v |= v >> 28
+        out.copy_(v)  # int64 -> uint8 keeps the low byte (conversion modulo 256)
+    else:
+        out.copy_(codes[..., 0::2] | (codes[..., 1::2] << 4))
 
 
 # -- the codec --------------------------------------------------------------------------------
@@ -161,7 +173,8 @@ class NVFP4Format(Format):
     quant_algo = "NVFP4"
 
     def __init__(self, *, fast: bool = True) -> None:
-        # fast=False selects the plain reference rounding (tests pin the two together).
+        # fast=False selects the plain reference path (abs/amax, comparison rounding, x < 0 sign,
+        # strided packing, float8 casts); tests pin the fast path to it bit for bit.
         self.fast = bool(fast)
 
     def parts(self, shape: Sequence[int]) -> PartSpec:
@@ -190,6 +203,7 @@ class NVFP4Format(Format):
         if weight_scale_2 is not None and global_amax is not None:
             raise FormatError(f"nvfp4: {name}: give weight_scale_2 or global_amax, not both")
         x2 = x.detach().contiguous().view(rows, width)
+        bamax_all = None
         if weight_scale_2 is not None:
             s2 = scalar_f32(weight_scale_2, x.device, f"nvfp4: {name}: weight_scale_2")
             sv = float(s2)
@@ -197,13 +211,20 @@ class NVFP4Format(Format):
                 raise FormatError(f"nvfp4: {name}: weight_scale_2 must be finite and > 0, got {sv}")
         else:
             if global_amax is None:
-                global_amax = _amax(x2, name, allow_nonfinite)
+                if self.fast:
+                    # one pass for the block maxima, kept (1/16 of the elements) for the encode pass
+                    bamax_all = _block_amax_all(x2)
+                    global_amax = bamax_all.amax()
+                    if not bool(torch.isfinite(global_amax)):
+                        global_amax = _amax(x2, name, allow_nonfinite)
+                else:
+                    global_amax = _amax(x2, name, allow_nonfinite)
             s2 = nvfp4_global_scale(scalar_f32(global_amax, x.device, f"nvfp4: {name}: global_amax"))
         if input_scale is None:
             isc = torch.ones((), dtype=torch.float32, device=x.device)
         else:
             isc = scalar_f32(input_scale, x.device, f"nvfp4: {name}: input_scale")
-        weight, scale = self._encode_2d(x2, s2, name, allow_nonfinite)
+        weight, scale = self._encode_2d(x2, s2, name, allow_nonfinite, bamax_all)
         lead = tuple(x.shape[:-1])
         return {
             "weight": weight.view(*lead, width // 2),
@@ -233,7 +254,12 @@ class NVFP4Format(Format):
         return [self.encode(x, name=n, **kw) for x, n in zip(xs, names)]
 
     def _encode_2d(
-        self, x2: torch.Tensor, s2: torch.Tensor, name: str, allow_nonfinite: bool
+        self,
+        x2: torch.Tensor,
+        s2: torch.Tensor,
+        name: str,
+        allow_nonfinite: bool,
+        bamax_all: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = x2.shape
         nb = width // BLOCK
@@ -241,10 +267,15 @@ class NVFP4Format(Format):
         scale = torch.empty((rows, nb), dtype=torch.float8_e4m3fn, device=x2.device)
         six_s2 = s2 * E2M1_MAX  # fl32(6 * s2) first, as ModelOpt
         e4m3_table = decode_table(E4M3, x2.device)
-        rnd = round_e2m1_fast if self.fast else round_e2m1_reference
         for r0, r1 in row_chunks(rows, width):
-            xb = x2[r0:r1].view(r1 - r0, nb, BLOCK)
-            bamax = xb.abs().amax(dim=-1).float()  # exact: abs and max do not round
+            n = r1 - r0
+            xb = x2[r0:r1].view(n, nb, BLOCK)
+            if bamax_all is not None:
+                bamax = bamax_all[r0:r1]
+            elif self.fast:
+                bamax = block_amax_bits(xb)
+            else:
+                bamax = xb.abs().amax(dim=-1).float()  # exact: abs and max do not round
             bad = None
             if not bool(torch.isfinite(bamax).all()):
                 if not allow_nonfinite:
@@ -254,18 +285,24 @@ class NVFP4Format(Format):
             sb.masked_fill_(sb == 0, ZERO_BLOCK_SCALE)
             sb8 = sb.clamp_(SCALE_MIN, E4M3_MAX).to(torch.float8_e4m3fn)
             if self.fast:
-                sbf = e4m3_table[sb8.view(torch.uint8).long()]  # exact E4M3 values, faster than the cast
+                # exact E4M3 values by table lookup (faster than the float8 -> float32 cast)
+                sbf = e4m3_table.index_select(0, sb8.view(torch.uint8).view(-1).int()).view(n, nb)
             else:
                 sbf = sb8.float()
             eff = sbf * s2  # fl32(f32(sb) * s2), before the division
             y = xb / eff.unsqueeze(-1)  # float32 (type promotion), one IEEE division
-            codes = rnd(y)
-            codes |= (xb < 0).view(torch.uint8) << 3
-            packed = _pack_nibbles(codes.view(r1 - r0, width))
+            out = weight[r0:r1]
+            if self.fast:
+                codes = _e2m1_codes_i32(y)
+                codes |= negative_nonzero_bit(xb, 3)  # sign nibble bit: x < 0, not -0.0
+                _pack_codes_i32_into(codes.view(n, width), out)
+            else:
+                codes = round_e2m1_reference(y)
+                codes |= (xb < 0).to(torch.uint8) << 3
+                out.copy_(_pack_nibbles_reference(codes.view(n, width)))
             if bad is not None:
                 sb8.view(torch.uint8)[bad] = NAN_SCALE_BYTE
-                packed.view(r1 - r0, nb, BLOCK // 2)[bad] = 0
-            weight[r0:r1] = packed
+                out.view(n, nb, BLOCK // 2)[bad] = 0
             scale[r0:r1] = sb8
         return weight, scale
 
@@ -296,19 +333,41 @@ class NVFP4Format(Format):
         w2 = w.contiguous().view(rows, width // 2)
         sc2 = sc.contiguous().view(rows, nb)
         s2 = s2.reshape(()).to(w.device)
+        if _gpu.wants_decode(w2, dtype):  # CUDA tensor + Triton: fused kernel, same values
+            return _gpu.nvfp4_decode_2d(w2, sc2, s2, dtype).view(*lead, width)
         out = torch.empty((rows, width), dtype=dtype, device=w.device)
         pair_table = _pair_table(w.device)
         e4m3_table = decode_table(E4M3, w.device)
         for r0, r1 in row_chunks(rows, width):
             n = r1 - r0
-            vals = pair_table[w2[r0:r1].long()]  # [n, in/2, 2] float32, exact E2M1 values
-            eff = e4m3_table[sc2[r0:r1].view(torch.uint8).long()] * s2  # block scale first
+            wc, sc_c = w2[r0:r1], sc2[r0:r1]
+            if self.fast:
+                # int32 index_select is much faster on CPU than advanced indexing with int64
+                vals = pair_table.index_select(0, wc.reshape(-1).int())  # [n*in/2, 2] exact E2M1
+                sbf = e4m3_table.index_select(0, sc_c.view(torch.uint8).reshape(-1).int()).view(n, nb)
+            else:
+                codes = torch.stack((wc & 0xF, wc >> 4), dim=-1)
+                vals = decode_e2m1(codes)
+                sbf = sc_c.float()
+            eff = sbf * s2  # the block's effective scale first, as ModelOpt
             torch.mul(vals.view(n, nb, BLOCK), eff.unsqueeze(-1), out=out[r0:r1].view(n, nb, BLOCK))
         return out.view(*lead, width)
 
 
+def _block_amax_all(x2: torch.Tensor) -> torch.Tensor:
+    """float32 [rows, in/16] block maxima of |x|, computed chunk by chunk."""
+    rows, width = x2.shape
+    nb = width // BLOCK
+    out = torch.empty((rows, nb), dtype=torch.float32, device=x2.device)
+    for r0, r1 in row_chunks(rows, width):
+        out[r0:r1] = block_amax_bits(x2[r0:r1].view(r1 - r0, nb, BLOCK))
+    return out
+
+
 def _amax(x2: torch.Tensor, name: str, allow_nonfinite: bool) -> torch.Tensor:
     """0-d float32 amax of a 2-D tensor, chunked; NonFiniteError unless allowed (then over finite values)."""
+    if _gpu.wants(x2):  # CUDA tensor + Triton: one reduction kernel (formats/gpu)
+        return _gpu.amax_2d(x2, name, allow_nonfinite)
     rows, width = x2.shape
     acc = torch.zeros((), dtype=torch.float32, device=x2.device)
     for r0, r1 in row_chunks(rows, width):

@@ -1,0 +1,151 @@
+"""Launch wrappers for the Triton codec kernels (this module imports Triton).
+
+All functions take and return torch tensors on the kernel's device; ``x`` is viewed as
+``[G, N]``: G groups of N contiguous elements, each group with its own NVFP4 global scale
+(an expert's fused gate/up rows, or one whole tensor with G = 1). Nothing here synchronizes
+with the host: non-finite input is reported through the returned ``bad`` flag tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..encodings import E2M1, E4M3, E5M2, E8M0, decode_table
+from . import _kernels as K
+
+#: Tile sizes (blocks per program) and warps; module globals so the bench can try others.
+NVFP4_ENC = {"NB": 128, "num_warps": 4}
+MXFP8_ENC = {"NB": 64, "num_warps": 4}
+DEC = {"NB": 64, "num_warps": 4}
+AMAX = {"CHUNK": 16384, "TILE": 2048, "num_warps": 8}
+
+_MAX_GRID_Y = 65535
+
+_ELEM = {  # element: (encoding, MBITS, BIAS, SUB_SCALE = 2^(BIAS-1+MBITS), MIN_NORMAL = 2^(1-BIAS))
+    "e4m3": (E4M3, 3, 7, 2.0**9, 2.0**-6),
+    "e5m2": (E5M2, 2, 15, 2.0**16, 2.0**-14),
+}
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _groups(x: torch.Tensor, block: int) -> tuple[int, int]:
+    if x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"expected a contiguous [G, N] tensor, got shape {list(x.shape)}")
+    g, n = x.shape
+    if n % block:
+        raise ValueError(f"group size {n} is not a multiple of the block {block}")
+    return g, n
+
+
+def _in(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The kernel's view of an input: bf16 as int16 bits (widened exactly in the kernel)."""
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16), True
+    return x, False
+
+
+def _out(t: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of a decode output: bf16 as int16 bits (rounded in the kernel)."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _group_slices(g: int):
+    for g0 in range(0, g, _MAX_GRID_Y):
+        yield g0, min(g, g0 + _MAX_GRID_Y)
+
+
+def group_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax float32 [G] over the finite elements of each group, bad int32 [G]: 1 where a group
+    holds NaN/Inf). One read of x; no host synchronization."""
+    g, n = _groups(x, 1)
+    bits = torch.zeros(g, dtype=torch.int32, device=x.device)
+    bad = torch.zeros(g, dtype=torch.int32, device=x.device)
+    if n:
+        c = AMAX
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n, c["CHUNK"]), g1 - g0)
+            xi, bf = _in(x[g0:g1])
+            K.group_amax_kernel[grid](xi, bits[g0:g1], bad[g0:g1], n, CHUNK=c["CHUNK"], TILE=c["TILE"],
+                                      IN_BF16=bf, num_warps=c["num_warps"])
+    return bits.view(torch.float32), bad
+
+
+def nvfp4_global_scales(amax: torch.Tensor) -> torch.Tensor:
+    """weight_scale_2 per group on the device: f32(amax) / 2688, an amax below 2^-126 taken as 1.0
+    (the reference's zero-tensor policy, ``nvfp4.nvfp4_global_scale``)."""
+    a = amax.float()
+    a = torch.where(a < 2.0**-126, torch.ones_like(a), a)
+    return a / 2688.0  # IEEE division (torch), same as the reference
+
+
+def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 encode of x [G, N] with global scales s2 (float32 [G], on x's device).
+
+    Returns (packed uint8 [G, N/2], scale float8_e4m3fn [G, N/16], bad int32 [1])."""
+    g, n = _groups(x, 16)
+    s2 = s2.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
+    if s2.numel() != g:
+        raise ValueError(f"{s2.numel()} global scales for {g} groups")
+    w = torch.empty((g, n // 2), dtype=torch.uint8, device=x.device)
+    sc = torch.empty((g, n // 16), dtype=torch.uint8, device=x.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if n:
+        nb = NVFP4_ENC["NB"]
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 16, nb), g1 - g0)
+            xi, bf = _in(x[g0:g1])
+            K.nvfp4_encode_kernel[grid](xi, s2[g0:g1], w[g0:g1], sc[g0:g1], bad, n, NB=nb, IN_BF16=bf,
+                                        num_warps=NVFP4_ENC["num_warps"])
+    return w, sc.view(torch.float8_e4m3fn), bad
+
+
+def mxfp8_encode(x: torch.Tensor, scale_mode: str = "rceil", element: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MXFP8 encode of x [G, N]. Returns (elements [G, N] as the element dtype, scale uint8 [G, N/32], bad int32 [1])."""
+    g, n = _groups(x, 32)
+    enc, mbits, bias, sub_scale, min_normal = _ELEM[element]
+    emax = int(enc.max).bit_length() - 1  # 8 for E4M3 (448), 15 for E5M2 (57344)
+    q = torch.empty((g, n), dtype=torch.uint8, device=x.device)
+    sc = torch.empty((g, n // 32), dtype=torch.uint8, device=x.device)
+    bad = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if n:
+        nb = MXFP8_ENC["NB"]
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 32, nb), g1 - g0)
+            xi, bf = _in(x[g0:g1])
+            K.mxfp8_encode_kernel[grid](xi, q[g0:g1], sc[g0:g1], bad, n, ELEM_MAX=float(enc.max), EMAX=emax,
+                                        MBITS=mbits, BIAS=bias, SUB_SCALE=sub_scale, MIN_NORMAL=min_normal,
+                                        RCEIL=scale_mode == "rceil", NB=nb, IN_BF16=bf, num_warps=MXFP8_ENC["num_warps"])
+    return q.view(enc.torch_dtype), sc, bad
+
+
+def nvfp4_decode(w: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Decode packed NVFP4 [G, N/2] + scales [G, N/16] with global scales s2 [G] to ``dtype`` [G, N]."""
+    g, half = _groups(w, 8)
+    n = half * 2
+    s2 = s2.reshape(-1).to(device=w.device, dtype=torch.float32).contiguous()
+    out = torch.empty((g, n), dtype=dtype, device=w.device)
+    if n:
+        nb = DEC["NB"]
+        e2 = decode_table(E2M1, w.device)
+        e4 = decode_table(E4M3, w.device)
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 16, nb), g1 - g0)
+            K.nvfp4_decode_kernel[grid](w[g0:g1], sc.view(torch.uint8)[g0:g1], s2[g0:g1], e2, e4, _out(out[g0:g1]), n,
+                                        NB=nb, OUT_KIND=_OUT_KIND[dtype], num_warps=DEC["num_warps"])
+    return out
+
+
+def mxfp8_decode(q: torch.Tensor, sc: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
+    """Decode MXFP8 elements [G, N] + E8M0 scales [G, N/32] to ``dtype`` [G, N]."""
+    g, n = _groups(q, 32)
+    out = torch.empty((g, n), dtype=dtype, device=q.device)
+    if n:
+        nb = DEC["NB"]
+        et = decode_table(_ELEM[element][0], q.device)
+        st = decode_table(E8M0, q.device)
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 32, nb), g1 - g0)
+            K.mxfp8_decode_kernel[grid](q.view(torch.uint8)[g0:g1], sc.view(torch.uint8)[g0:g1], et, st, _out(out[g0:g1]),
+                                        n, NB=nb, OUT_KIND=_OUT_KIND[dtype], num_warps=DEC["num_warps"])
+    return out
