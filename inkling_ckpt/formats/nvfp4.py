@@ -27,6 +27,9 @@ Policies this module decides (not covered by ModelOpt, which yields NaN scales h
   the finite elements only; every block that holds a NaN or ±Inf gets scale byte 0x7F
   (E4M3 NaN) and all-zero nibbles, so the whole block decodes to NaN (Inf's sign and
   the block's finite values are not kept). Other blocks encode normally.
+* **Memory.** Work goes in row chunks of ~256K elements; when the global amax is computed
+  here, the block maxima (float32, 1/16 of the elements: 1/8 of a bf16 input's bytes) are
+  kept between the amax pass and the encode pass.
 * **Given scales.** ``weight_scale_2`` is used verbatim (must be finite and > 0);
   ``global_amax`` goes through :func:`nvfp4_global_scale`. ``input_scale`` is stored
   verbatim as float32, else 1.0 (a fresh quantize has no activation calibration).
