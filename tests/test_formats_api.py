@@ -96,3 +96,15 @@ def test_fake_quant_bf16_and_names():
     assert torch.equal(x.grad, torch.ones_like(x))
     with pytest.raises(FormatError):
         fake_quant(x, "int4")
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "bf16"])
+def test_empty_rows(name):
+    f = get_format(name)
+    x = torch.zeros(0, 64, dtype=BF)
+    p = f.encode(x)
+    for k, (shape, dt) in f.parts(x.shape).items():
+        assert tuple(p[k].shape) == shape and p[k].dtype == dt
+    assert f.decode(p).shape == (0, 64)
+    if name != "bf16":
+        assert len(f.encode_group([x, x])) == 2

@@ -214,7 +214,9 @@ class NVFP4Format(Format):
                 raise FormatError(f"nvfp4: {name}: weight_scale_2 must be finite and > 0, got {sv}")
         else:
             if global_amax is None:
-                if self.fast:
+                if rows == 0:
+                    global_amax = 0.0  # empty tensor: nothing to scale
+                elif self.fast:
                     # one pass for the block maxima, kept (1/16 of the elements) for the encode pass
                     bamax_all = _block_amax_all(x2)
                     global_amax = bamax_all.amax()
