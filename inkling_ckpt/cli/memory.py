@@ -26,18 +26,17 @@ class Variant(str, Enum):
     nvfp4 = "nvfp4"
 
 
-_HELP = f"""Bytes per GPU by category under --tp N --ep M, whether it fits, and the KV-cache pool.
-
-CKPT_OR_CONFIG is a checkpoint folder (read from its headers only: no tensor data) or a bare
-config.json (or a folder holding only one) with --variant or --plan, so the full-size model can
-be planned with no weights on disk. Categories: routed experts, attention, embeddings/head,
-router and norms, MTP head, vision tower; 'replicated' is what other ranks hold too.
-
-KV cache: K and V per attention layer for max(1, KV heads / tp) heads per rank; full-attention
-layers (and the MTP head) keep every token, sliding-window layers one window per sequence.
-Pool = mem-fraction x GPU memory - the largest rank's weights. GPU presets (GB as sold):
-{", ".join(f"{k} {v}" for k, v in GPU_PRESETS.items())}.
-"""
+_HELP = "\n\n".join([
+    'Bytes per GPU by category under --tp N --ep M, whether it fits, and the KV-cache pool.',
+    ('CKPT_OR_CONFIG is a checkpoint folder (read from its headers only: no tensor data) or a bare '
+     'config.json (or a folder holding only one) with --variant or --plan, so the full-size model can be '
+     'planned with no weights on disk. Categories: routed experts, attention, embeddings/head, router and '
+     "norms, MTP head, vision tower; 'replicated' is what other ranks hold too."),
+    ("KV cache: K and V per attention layer for max(1, KV heads / tp) heads per rank; full-attention "
+     "layers (and the MTP head) keep every token, sliding-window layers one window per sequence. "
+     "Pool = mem-fraction x GPU memory - the largest rank's weights. GPU presets (GB as sold): "
+     + ", ".join(f"{k} {v}" for k, v in GPU_PRESETS.items()) + "."),
+])
 
 
 def _load(source: str, variant: Optional[Variant], plan_text: Optional[str]):

@@ -14,18 +14,17 @@ from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
 from ..plan.memory import render_ranks, rank_memory
 from .app import app
 
-_HELP = """Split an HF checkpoint into one folder per TP rank for --tp N --ep M.
-
-Each rank folder holds HF-named safetensors with that rank's local shapes and its own index;
-DST/inkling-shard.json records the plan, every tensor's split rule and global shape, expert
-ownership and a sha256 per file. Query heads split over tp, KV heads too (replicated when
-tp > KV heads), o_proj by columns, embed/lm_head by vocab rows, router/norms/vision
-replicated; EP rank r owns experts [r*E/ep, (r+1)*E/ep) and moe_tp = tp/ep ranks share them
-(NVFP4 experts need moe_tp 1). Rank r is EP rank r // moe_tp.
-
---dry-run prints the plan and per-rank bytes from the headers alone.
---merge DST OUT rebuilds the original checkpoint byte for byte (checksums verified).
-"""
+_HELP = "\n\n".join([
+    'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
+    ("Each rank folder holds HF-named safetensors with that rank's local shapes and its own index; "
+     "DST/inkling-shard.json records the plan, every tensor's split rule and global shape, expert "
+     'ownership and a sha256 per file. Query heads split over tp, KV heads too (replicated when tp > KV '
+     'heads), o_proj by columns, embed/lm_head by vocab rows, router/norms/vision replicated; EP rank r '
+     'owns experts [r*E/ep, (r+1)*E/ep) and moe_tp = tp/ep ranks share them (NVFP4 experts need moe_tp 1). '
+     'Rank r is EP rank r // moe_tp.'),
+    ('--dry-run prints the plan and per-rank bytes from the headers alone. --merge DST OUT rebuilds the '
+     'original checkpoint byte for byte (checksums verified).'),
+])
 
 
 @app.command("shard", help=_HELP)

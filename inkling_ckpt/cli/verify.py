@@ -12,18 +12,17 @@ import typer
 from ..verify.compare import SCHEMA, build_report, compare, plot_report, render_report
 from .app import app
 
-_HELP = f"""Compare checkpoint B against the reference A, tensor by tensor, after decoding.
-
-A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model.
-Routed experts are decoded per linear to float32; other tensors are compared as stored.
-Per tensor, per layer and per format: bit-exact elements, max abs error, relative RMSE
-sqrt(sum e^2 / sum a^2), SQNR 10*log10(sum a^2 / sum e^2); worst tensors first.
-
---json prints the report in schema {SCHEMA} (documented in inkling_ckpt/verify/compare.py).
---plot FILE.png draws SQNR per layer, one line per expert format (needs the 'plot' extra).
-Exit status: 0 when the thresholds hold (--min-sqnr DB for every tensor, --exact for bit
-identity), 1 when they do not, 2 on bad input.
-"""
+_HELP = "\n\n".join([
+    'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
+    ('A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model. Routed '
+     'experts are decoded per linear to float32; other tensors are compared as stored. Per tensor, per '
+     'layer and per format: bit-exact elements, max abs error, relative RMSE sqrt(sum e^2 / sum a^2), SQNR '
+     '10*log10(sum a^2 / sum e^2); worst tensors first.'),
+    (f'--json prints the report in schema {SCHEMA} (documented in inkling_ckpt/verify/compare.py). --plot '
+     f"FILE.png draws SQNR per layer, one line per expert format (needs the 'plot' extra). Exit status: 0 "
+     f'when the thresholds hold (--min-sqnr DB for every tensor, --exact for bit identity), 1 when they do '
+     f'not, 2 on bad input.'),
+])
 
 
 @app.command("verify", help=_HELP)
