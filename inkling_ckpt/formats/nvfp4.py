@@ -86,8 +86,9 @@ def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
         raise FormatError(f"nvfp4: global amax must be finite and >= 0, got {av}")
     if av < MIN_GLOBAL_AMAX:
         a = torch.ones((), dtype=torch.float32, device=device)
-    # ModelOpt: amax.float() / (E2M1_MAX * E4M3_MAX); 6 * 448 = 2688 exactly.
-    return a / (E2M1_MAX * E4M3_MAX)
+    # ModelOpt: amax.float() / (E2M1_MAX * E4M3_MAX); 6 * 448 = 2688 exactly. The divisor is a
+    # tensor: torch divides a CUDA tensor by a Python scalar as a reciprocal-multiply (1 ulp off).
+    return a / torch.tensor(E2M1_MAX * E4M3_MAX, dtype=torch.float32, device=device)
 
 
 # -- element rounding -------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class NVFP4Format(Format):
             if global_amax is None:
                 if rows == 0:
                     global_amax = 0.0  # empty tensor: nothing to scale
-                elif self.fast:
+                elif self.fast and not _gpu.wants(x2):  # (on the GPU, _amax is one reduction kernel)
                     # one pass for the block maxima, kept (1/16 of the elements) for the encode pass
                     bamax_all = _block_amax_all(x2)
                     global_amax = bamax_all.amax()
@@ -266,6 +267,8 @@ class NVFP4Format(Format):
         allow_nonfinite: bool,
         bamax_all: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if _gpu.wants(x2) and x2.numel():  # CUDA tensor + Triton: one fused kernel, same bytes (formats/gpu)
+            return _gpu.nvfp4_encode_2d(x2, s2, name, allow_nonfinite)
         rows, width = x2.shape
         nb = width // BLOCK
         weight = torch.empty((rows, width // 2), dtype=torch.uint8, device=x2.device)

@@ -76,7 +76,8 @@ def nvfp4_global_scales(amax: torch.Tensor) -> torch.Tensor:
     (the reference's zero-tensor policy, ``nvfp4.nvfp4_global_scale``)."""
     a = amax.float()
     a = torch.where(a < 2.0**-126, torch.ones_like(a), a)
-    return a / 2688.0  # IEEE division (torch), same as the reference
+    # tensor / tensor: IEEE division on CUDA too (a Python-scalar divisor becomes a reciprocal-multiply)
+    return a / torch.full_like(a, 2688.0)
 
 
 def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,362 @@
+"""GPU codec bench (H200): copy rate, then each Triton kernel on one EP4 rank's experts of one layer.
+
+    python bench/gpu_codecs.py [--experts 96] [--layer-experts 384] [--sweep] [--json out.json]
+
+Workload: one EP4 rank's routed experts of one Inkling 2 layer, 96 experts x gate/up/down,
+as the trainer holds them: stacked fc1 [96, 2*2304, 4608] (gate rows, then up rows) and fc2
+[96, 4608, 2304], BF16, random with magnitudes 1e-3..1e3 per row and sparse outliers.
+GB/s counts bytes read + written once each (the floor), as a fraction of the measured device
+copy rate (also read + written). Beside each kernel: an eager-torch reference (the same
+arithmetic as whole-tensor torch ops) and that function under torch.compile, in the same run;
+each reference's bytes are compared to the kernel's.
+
+Then a whole layer (384 experts) through the weight-sync path on the GPU: wall time per layer,
+GPU kernel time (torch.profiler), and the share outside kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+H, I = 4608, 2304
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def bench(fn, reps_ms=300):
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=50, rep=reps_ms, return_mode="median")
+
+
+def make_experts(e: int, seed: int = 0, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def one(shape):
+        x = torch.randn(shape, generator=g, device=device, dtype=torch.float32)
+        x *= torch.pow(10.0, torch.rand(shape[0], shape[1], 1, generator=g, device=device) * 6 - 3)
+        n = x.numel() // 5000
+        idx = torch.randint(0, x.numel(), (n,), generator=g, device=device)
+        x.view(-1)[idx] *= 100.0
+        return x.to(torch.bfloat16)
+
+    return one((e, 2 * I, H)), one((e, H, I))
+
+
+# -- eager torch references (same arithmetic as the reference codec, whole-tensor ops) ----------
+
+def torch_group_amax(x):  # x [G, N]
+    return x.abs().amax(dim=1).float()
+
+
+def torch_nvfp4(x, s2):  # x [G, N] bf16, s2 [G] f32
+    g = x.shape[0]
+    xb = x.view(g, -1, 16).float()
+    s2b = s2.view(g, 1)
+    sb = xb.abs().amax(-1) / (s2b * 6.0)
+    sb = torch.where(sb == 0, 1.0, sb).clamp(2.0**-9, 448.0).to(torch.float8_e4m3fn)
+    eff = sb.float() * s2b
+    a = (xb / eff.unsqueeze(-1)).abs()
+    a = torch.where(a < 6.0, a, 6.0)
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5) + (a >= 3.5)
+            + (a > 5.0)).to(torch.uint8)
+    code = code | ((xb < 0).to(torch.uint8) << 3)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.reshape(g, -1), sb.view(torch.uint8).reshape(g, -1)
+
+
+def torch_mxfp8(x):  # rceil, e4m3
+    g = x.shape[0]
+    xb = x.view(g, -1, 32).float()
+    q = xb.abs().amax(-1) / 448.0
+    bits = q.view(torch.int32)
+    expo = bits >> 23
+    mant = bits & 0x7FFFFF
+    biased = (expo + (mant > torch.where(expo == 0, 0x400000, 0)).to(torch.int32)).clamp(0, 254)
+    inv = torch.where(biased == 254, 0x400000, (254 - biased) << 23).view(torch.float32)
+    y = (xb * inv.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return y.view(torch.uint8).reshape(g, -1), biased.to(torch.uint8).reshape(g, -1)
+
+
+def torch_nvfp4_decode(w, sc, s2):
+    g = w.shape[0]
+    lut = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], device=w.device)
+    v = torch.stack((lut[(w & 0xF).long()], lut[(w >> 4).long()]), -1).view(g, -1, 16)
+    eff = sc.view(torch.float8_e4m3fn).float().view(g, -1) * s2.view(g, 1)
+    return (v * eff.unsqueeze(-1)).to(torch.bfloat16).view(g, -1)
+
+
+def torch_mxfp8_decode(q, sc):
+    g = q.shape[0]
+    v = q.view(torch.float8_e4m3fn).float().view(g, -1, 32)
+    s = torch.exp2(sc.float() - 127.0).view(g, -1, 1)
+    return (v * s).to(torch.bfloat16).view(g, -1)
+
+
+def diff_bytes(a, b):
+    return int((a.reshape(-1).view(torch.uint8) != b.reshape(-1).view(torch.uint8)).sum())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--experts", type=int, default=96)
+    ap.add_argument("--layer-experts", type=int, default=384)
+    ap.add_argument("--sweep", action="store_true", help="try other tile sizes")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    import triton
+
+    from inkling_ckpt.formats.gpu import ops
+
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    print(res, flush=True)
+    rows = []
+
+    def row(name, nbytes, ms, copy, note=""):
+        r = {"name": name, "ms": ms, "GBps": gbps(nbytes, ms), "pct_copy": 100 * gbps(nbytes, ms) / copy, "note": note}
+        rows.append(r)
+        print(f"{name:44s} {ms:9.3f} ms {r['GBps']:8.0f} GB/s {r['pct_copy']:6.1f}% {note}", flush=True)
+        return r
+
+    # 1. copy rate
+    src = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    copy = gbps(2 * src.numel() * 2, ms)
+    res["copy_GBps"] = copy
+    print(f"device copy (2 GiB, read+write): {ms:.3f} ms  {copy:.0f} GB/s", flush=True)
+    del src, dst
+
+    # 2. one EP4 rank's experts
+    E = args.experts
+    fc1, fc2 = make_experts(E)
+    xs = [fc1.view(E, -1), fc2.view(E, -1)]  # gate/up share a group: the expert's fc1 rows
+    n = sum(x.numel() for x in xs)
+    res["elements"] = n
+    print(f"workload: {E} experts, {n / 1e9:.3f} G elements, {2 * n / 1e9:.2f} GB bf16", flush=True)
+
+    s2 = [ops.nvfp4_global_scales(ops.group_amax(x)[0]) for x in xs]
+
+    def k_amax():
+        for x in xs:
+            ops.group_amax(x)
+
+    def k_nvfp4():
+        for x, s in zip(xs, s2):
+            ops.nvfp4_encode(x, s)
+
+    def k_nvfp4_fresh():
+        for x in xs:
+            ops.nvfp4_encode(x, ops.nvfp4_global_scales(ops.group_amax(x)[0]))
+
+    def k_mxfp8():
+        for x in xs:
+            ops.mxfp8_encode(x)
+
+    enc4 = [ops.nvfp4_encode(x, s) for x, s in zip(xs, s2)]
+    enc8 = [ops.mxfp8_encode(x) for x in xs]
+
+    def k_nvfp4_dec():
+        for (w, sc, _), s in zip(enc4, s2):
+            ops.nvfp4_decode(w, sc, s, torch.bfloat16)
+
+    def k_mxfp8_dec():
+        for q, sc, _ in enc8:
+            ops.mxfp8_decode(q, sc, "e4m3", torch.bfloat16)
+
+    b_amax = 2 * n
+    b_nv = 2 * n + n // 2 + n // 16
+    b_mx = 2 * n + n + n // 32
+    b_nvd = n // 2 + n // 16 + 2 * n
+    b_mxd = n + n // 32 + 2 * n
+
+    # correctness of the references against the kernels (bytes)
+    checks = {}
+    for (w, sc, _), x, s in zip(enc4, xs, s2):
+        rw, rsc = torch_nvfp4(x, s)
+        checks.setdefault("nvfp4_eager_diff_bytes", 0)
+        checks["nvfp4_eager_diff_bytes"] += diff_bytes(rw, w) + diff_bytes(rsc, sc)
+    for (q, sc, _), x in zip(enc8, xs):
+        rq, rsc = torch_mxfp8(x)
+        checks.setdefault("mxfp8_eager_diff_bytes", 0)
+        checks["mxfp8_eager_diff_bytes"] += diff_bytes(rq, q) + diff_bytes(rsc, sc)
+    print("eager-reference vs kernel:", checks, flush=True)
+
+    results = {}
+    results["amax"] = row("global amax (per expert group)", b_amax, bench(k_amax), copy)
+    results["nvfp4_enc"] = row("NVFP4 encode (given global scales)", b_nv, bench(k_nvfp4), copy)
+    results["nvfp4_enc_fresh"] = row("NVFP4 encode fresh (amax + encode)", b_nv, bench(k_nvfp4_fresh), copy,
+                                     "bytes counted once; amax re-reads input")
+    results["mxfp8_enc"] = row("MXFP8 encode (RCEIL, E4M3)", b_mx, bench(k_mxfp8), copy)
+    results["nvfp4_dec"] = row("NVFP4 decode -> bf16", b_nvd, bench(k_nvfp4_dec), copy)
+    results["mxfp8_dec"] = row("MXFP8 decode -> bf16", b_mxd, bench(k_mxfp8_dec), copy)
+
+    # eager torch references
+    results["nvfp4_eager"] = row("  eager torch NVFP4 encode", b_nv, bench(lambda: [torch_nvfp4(x, s) for x, s in zip(xs, s2)]), copy)
+    results["mxfp8_eager"] = row("  eager torch MXFP8 encode", b_mx, bench(lambda: [torch_mxfp8(x) for x in xs]), copy)
+    results["amax_eager"] = row("  eager torch amax", b_amax, bench(lambda: [torch_group_amax(x) for x in xs]), copy)
+    results["nvfp4_dec_eager"] = row("  eager torch NVFP4 decode", b_nvd, bench(lambda: [torch_nvfp4_decode(w, sc, s) for (w, sc, _), s in zip(enc4, s2)]), copy)
+    results["mxfp8_dec_eager"] = row("  eager torch MXFP8 decode", b_mxd, bench(lambda: [torch_mxfp8_decode(q, sc) for q, sc, _ in enc8]), copy)
+
+    if not args.no_compile:
+        t0 = time.time()
+        c_nv = torch.compile(torch_nvfp4, dynamic=False)
+        c_mx = torch.compile(torch_mxfp8, dynamic=False)
+        c_am = torch.compile(torch_group_amax, dynamic=False)
+        for (w, sc, _), x, s in zip(enc4, xs, s2):
+            rw, rsc = c_nv(x, s)
+            checks.setdefault("nvfp4_compiled_diff_bytes", 0)
+            checks["nvfp4_compiled_diff_bytes"] += diff_bytes(rw, w) + diff_bytes(rsc, sc)
+        for (q, sc, _), x in zip(enc8, xs):
+            rq, rsc = c_mx(x)
+            checks.setdefault("mxfp8_compiled_diff_bytes", 0)
+            checks["mxfp8_compiled_diff_bytes"] += diff_bytes(rq, q) + diff_bytes(rsc, sc)
+        for x in xs:
+            c_am(x)
+        print(f"torch.compile warm-up {time.time() - t0:.1f} s; compiled-reference vs kernel: {checks}", flush=True)
+        results["nvfp4_compiled"] = row("  torch.compile NVFP4 encode", b_nv, bench(lambda: [c_nv(x, s) for x, s in zip(xs, s2)]), copy)
+        results["mxfp8_compiled"] = row("  torch.compile MXFP8 encode", b_mx, bench(lambda: [c_mx(x) for x in xs]), copy)
+        results["amax_compiled"] = row("  torch.compile amax", b_amax, bench(lambda: [c_am(x) for x in xs]), copy)
+    res["checks"] = checks
+
+    if args.sweep:
+        for nb in (32, 64, 128, 256):
+            for nw in (2, 4, 8):
+                ops.NVFP4_ENC.update(NB=nb, num_warps=nw)
+                row(f"  sweep NVFP4 enc NB={nb} warps={nw}", b_nv, bench(k_nvfp4, 150), copy)
+        ops.NVFP4_ENC.update(NB=128, num_warps=4)
+        for nb in (16, 32, 64, 128):
+            for nw in (2, 4, 8):
+                ops.MXFP8_ENC.update(NB=nb, num_warps=nw)
+                row(f"  sweep MXFP8 enc NB={nb} warps={nw}", b_mx, bench(k_mxfp8, 150), copy)
+        ops.MXFP8_ENC.update(NB=64, num_warps=4)
+        for ch, tile, nw in ((16384, 2048, 8), (32768, 4096, 8), (65536, 4096, 8), (8192, 1024, 4)):
+            ops.AMAX.update(CHUNK=ch, TILE=tile, num_warps=nw)
+            row(f"  sweep amax CHUNK={ch} TILE={tile} w={nw}", b_amax, bench(k_amax, 150), copy)
+        ops.AMAX.update(CHUNK=16384, TILE=2048, num_warps=8)
+    del enc4, enc8, fc1, fc2, xs
+    torch.cuda.empty_cache()
+
+    # 3. a whole layer (384 experts) on the GPU
+    res["layer"] = layer_bench(args.layer_experts)
+
+    res["rows"] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    print("\nsummary (GB/s; % of copy rate %.0f GB/s)" % copy)
+    for r in rows:
+        print(f"{r['name']:44s} {r['ms']:9.3f} ms {r['GBps']:8.0f} GB/s {r['pct_copy']:6.1f}%")
+
+
+def kernel_time_ms(fn) -> float | None:
+    """Sum of GPU kernel durations (ms) of one call of fn, from torch.profiler; None if unavailable."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        tot = 0.0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                tot += e.time_range.elapsed_us()
+        return tot / 1e3
+    except Exception as ex:  # pragma: no cover - profiler API differences
+        print("profiler unavailable:", ex)
+        return None
+
+
+def timed(fn, reps=3) -> float:
+    best = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best.append((time.perf_counter() - t) * 1e3)
+    return sorted(best)[len(best) // 2]
+
+
+def layer_bench(E: int) -> dict:
+    """One layer's E experts: wall time per layer and the share of it outside GPU kernels."""
+    out: dict = {"experts": E}
+    fc1, fc2 = make_experts(E, seed=1)
+    n = fc1.numel() + fc2.numel()
+    out["bytes_nvfp4"] = 2 * n + n // 2 + n // 16
+    out["bytes_mxfp8"] = 2 * n + n + n // 32
+    variants = {}
+
+    from inkling_ckpt.formats.gpu import ops
+
+    def ops_nvfp4():
+        res = []
+        for x in (fc1.view(E, -1), fc2.view(E, -1)):
+            amax, bad = ops.group_amax(x)
+            res.append(ops.nvfp4_encode(x, ops.nvfp4_global_scales(amax)))
+        return res
+
+    def ops_mxfp8():
+        return [ops.mxfp8_encode(x.view(E, -1)) for x in (fc1, fc2)]
+
+    variants["ops_nvfp4_fresh"] = ops_nvfp4
+    variants["ops_mxfp8"] = ops_mxfp8
+
+    try:
+        from inkling_ckpt.convert.experts import ExpertEncoder
+        from inkling_ckpt.model.precision import PrecisionPlan
+
+        def per_expert(fmt):
+            enc = ExpertEncoder(PrecisionPlan.parse(fmt, 1))
+
+            def run():
+                for e in range(E):
+                    enc.encode(0, e, {"gate_proj": fc1[e, :I], "up_proj": fc1[e, I:], "down_proj": fc2[e]})
+            return run
+
+        variants["ExpertEncoder_per_expert_nvfp4"] = per_expert("nvfp4")
+        variants["ExpertEncoder_per_expert_mxfp8"] = per_expert("mxfp8")
+    except Exception as ex:
+        print("ExpertEncoder variant unavailable:", ex)
+
+    try:
+        from inkling_ckpt.sync.bench import layer_variants  # the weight-sync API, when present
+
+        variants.update(layer_variants(fc1, fc2))
+    except ImportError as ex:
+        print("sync API variant unavailable:", ex)
+
+    for name, fn in variants.items():
+        try:
+            fn()  # warm-up (compiles)
+            wall = timed(fn)
+            kern = kernel_time_ms(fn)
+            fmt = "mxfp8" if "mxfp8" in name else "nvfp4"
+            nb = out[f"bytes_{fmt}"]
+            v = {"wall_ms": wall, "kernel_ms": kern, "GBps_wall": gbps(nb, wall)}
+            if kern:
+                v["outside_kernels_pct"] = 100 * max(0.0, wall - kern) / wall
+            variants_out = out.setdefault("variants", {})
+            variants_out[name] = v
+            print(f"layer {E} experts {name:36s} wall {wall:8.2f} ms  kernels {kern if kern is None else round(kern, 2)} ms  "
+                  f"outside {v.get('outside_kernels_pct', float('nan')):5.1f}%  {v['GBps_wall']:6.0f} GB/s", flush=True)
+        except Exception as ex:
+            import traceback
+            traceback.print_exc()
+            out.setdefault("errors", {})[name] = repr(ex)
+        torch.cuda.empty_cache()
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""GPU (Triton) codecs against the CPU reference codec: the same bytes, always.
+
+Runs on a CUDA device; skipped where there is none. Without a GPU the same tests run through
+Triton's interpreter when asked: ``TRITON_INTERPRET=1 INKLING_CKPT_GPU_CODECS=interpret``
+(slow; the real-shape cases are then skipped).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from inkling_ckpt.errors import NonFiniteError
+from inkling_ckpt.formats import get_format, gpu
+
+pytestmark = pytest.mark.gpu
+
+INTERPRET = os.environ.get("INKLING_CKPT_GPU_CODECS", "").lower() == "interpret"
+HAS_CUDA = torch.cuda.is_available()
+
+if HAS_CUDA:
+    DEV = "cuda"
+elif INTERPRET:
+    DEV = "cpu"
+else:
+    DEV = None
+
+
+@pytest.fixture(autouse=True)
+def _need_kernels():
+    if DEV is None:
+        pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 INKLING_CKPT_GPU_CODECS=interpret)")
+    pytest.importorskip("triton")
+    if not gpu.kernels_available():
+        pytest.skip("Triton kernels not available")
+
+
+FORMATS = [
+    ("nvfp4", {}),
+    ("mxfp8", {}),
+    ("mxfp8", {"scale_mode": "floor"}),
+    ("mxfp8", {"element": "e5m2"}),
+    ("mxfp8", {"element": "e5m2", "scale_mode": "floor"}),
+]
+FMT_IDS = ["nvfp4", "mxfp8-rceil", "mxfp8-floor", "mxfp8-e5m2", "mxfp8-e5m2-floor"]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bytes of a tensor, for bitwise comparison (NaN payloads included)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same_values(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Decoded tensors: identical bits, except that any NaN matches any NaN at the same place.
+
+    (The CPU reference's NaN bits in bf16 depend on torch's CPU conversion, 0xFFFF from its
+    vectorized path on x86 where the scalar path writes 0x7FC0; the kernel writes 0x7FC0.)"""
+    g, w = got.detach().cpu(), want.detach().cpu()
+    if g.dtype != w.dtype or g.shape != w.shape:
+        return False
+    gn, wn = torch.isnan(g.float()), torch.isnan(w.float())
+    if not torch.equal(gn, wn):
+        return False
+    keep = ~wn.reshape(-1)
+    return torch.equal(_bits(g.reshape(-1)[keep]), _bits(w.reshape(-1)[keep]))
+
+
+def _ref_encode(fmt, x, **kw):
+    with gpu.kernels_disabled():
+        return fmt.encode(x.cpu(), **kw)
+
+
+def _assert_same_parts(got, want, what=""):
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        g, w = got[k], want[k]
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), f"{what} {k}: {g.dtype}{list(g.shape)} vs {w.dtype}{list(w.shape)}"
+        gb, wb = _bits(g), _bits(w)
+        if not torch.equal(gb, wb):
+            bad = (gb != wb).nonzero()
+            raise AssertionError(f"{what} {k}: {bad.numel()} of {wb.numel()} bytes differ, first at byte {int(bad[0])}: "
+                                 f"{int(gb[bad[0]])} vs {int(wb[bad[0]])}")
+
+
+def _check(name, opts, x, **kw):
+    fmt = get_format(name, **opts)
+    xd = x.to(DEV)
+    got = fmt.encode(xd, **kw)
+    for t in got.values():
+        assert t.device.type == xd.device.type
+    want = _ref_encode(fmt, x, **kw)
+    _assert_same_parts(got, want, f"{name}{opts} {list(x.shape)} {x.dtype}")
+    # decode of the same parts: same values, bit for bit
+    for dt in (torch.bfloat16, torch.float32):
+        dg = fmt.decode(got, dt)
+        with gpu.kernels_disabled():
+            dw = fmt.decode({k: v.cpu() for k, v in want.items()}, dt)
+        assert _same_values(dg, dw), f"decode {name}{opts} -> {dt}"
+    return got
+
+
+def _wide_range(rows, cols, dtype=torch.bfloat16, seed=0, outliers=True):
+    """Gaussian rows scaled 1e-3..1e3 (per row and per 64-column stripe), with sparse outliers."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g)
+    x *= torch.pow(10.0, torch.empty(rows, 1).uniform_(-3, 3, generator=g))
+    x *= torch.pow(10.0, torch.empty(1, cols // 64 + 1).uniform_(-0.5, 0.5, generator=g)).repeat_interleave(64, 1)[:, :cols]
+    if outliers:
+        n = max(1, rows * cols // 5000)
+        idx = torch.randint(0, rows * cols, (n,), generator=g)
+        x.view(-1)[idx] *= torch.empty(n).uniform_(20, 200, generator=g)
+    return x.to(dtype)
+
+
+# -- random inputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,opts", FORMATS, ids=FMT_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_random_small(name, opts, dtype):
+    for seed in range(3):
+        x = _wide_range(48, 512, dtype=dtype if dtype != torch.float16 else torch.float32, seed=seed)
+        if dtype == torch.float16:
+            x = x.clamp(-60000, 60000).half()
+        _check(name, opts, x)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="real shapes need a GPU (too slow in the interpreter)")
+@pytest.mark.parametrize("name,opts", FORMATS[:3], ids=FMT_IDS[:3])
+@pytest.mark.parametrize("shape", [(2304, 4608), (4608, 2304)])
+def test_random_real_shapes(name, opts, shape):
+    for seed in range(2):
+        _check(name, opts, _wide_range(*shape, seed=seed))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="real shapes need a GPU")
+def test_nvfp4_given_scales_real_shape():
+    x = _wide_range(2304, 4608, seed=7)
+    _check("nvfp4", {}, x, weight_scale_2=torch.tensor(0.01), input_scale=0.5)
+    _check("nvfp4", {}, x, global_amax=3.0)  # many blocks clamp at 448 and saturate
+
+
+def test_shapes():
+    for shape in [(16,), (1, 32), (3, 5, 64), (7, 96)]:
+        x = torch.randn(shape) * 3
+        _check("nvfp4", {}, x.to(torch.bfloat16)) if shape[-1] % 16 == 0 else None
+        if shape[-1] % 32 == 0:
+            _check("mxfp8", {}, x.to(torch.bfloat16))
+
+
+# -- NVFP4 edge cases (spec/formats.md) -------------------------------------------------------
+
+
+def test_nvfp4_ties_and_signs():
+    # weight_scale_2 = 1 and a block amax of 6 give block scale 1.0, so elements are encoded as is
+    row = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -5.0, -0.0, 0.0, -0.1, 0.1])
+    x = torch.stack([row, row.flip(0)])
+    got = _check("nvfp4", {}, x, weight_scale_2=1.0)
+    codes = torch.stack([got["weight"].cpu() & 0xF, got["weight"].cpu() >> 4], -1).reshape(2, 16)[0]
+    assert codes.tolist() == [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 14, 0, 0, 8, 0]
+
+
+def test_nvfp4_saturation_and_scale_clamps():
+    x = torch.zeros(4, 32)
+    x[0, :16] = torch.linspace(-1, 1, 16) * 6 * 1.0625  # block scale 1.0625 rounds (ties-even) to 1.0: saturates
+    x[1, :16] = 1e-8  # block scale below 2^-9: clamped
+    x[2, :16] = 5e5  # block scale above 448 with a given small global scale: clamped
+    x[3, 16:] = torch.arange(16) * 0.37
+    _check("nvfp4", {}, x, weight_scale_2=1.0)
+    _check("nvfp4", {}, x)  # fresh global scale
+
+
+def test_nvfp4_zero_block_and_zero_tensor():
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    got = _check("nvfp4", {}, x)
+    assert (_bits(got["weight_scale"]) == 0x38).all()
+    x[0, 20] = 1.5
+    _check("nvfp4", {}, x)
+
+
+def test_nvfp4_subnormal_and_extreme_range():
+    x = torch.zeros(3, 32, dtype=torch.float32)
+    x[0, :16] = torch.tensor(1e-40)  # fp32 subnormal input; global amax < 2^-126 -> taken as 1.0
+    x[1, :16] = torch.linspace(-1e-38, 1e-38, 16)
+    x[2, :16] = torch.tensor([1e30] + [1e-30] * 7 + [-1e-30] * 8)  # underflow inside a block
+    x[2, 16:] = -3e-39
+    _check("nvfp4", {}, x)
+    _check("nvfp4", {}, x[:2])
+    _check("nvfp4", {}, x, weight_scale_2=2.0**-140)  # subnormal given global scale
+
+
+def test_nvfp4_group_shares_scale():
+    fmt = get_format("nvfp4")
+    a, b = _wide_range(32, 64, seed=1), _wide_range(32, 64, seed=2) * 10
+    got = fmt.encode_group([a.to(DEV), b.to(DEV)])
+    with gpu.kernels_disabled():
+        want = fmt.encode_group([a, b])
+    for g, w in zip(got, want):
+        _assert_same_parts(g, w)
+
+
+# -- MXFP8 edge cases -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,opts", FORMATS[1:], ids=FMT_IDS[1:])
+def test_mxfp8_edges(name, opts):
+    x = torch.zeros(8, 64, dtype=torch.float32)
+    x[0, :32] = 448.0 * 2.0 ** torch.arange(-16, 16).float()  # powers of two times 448: no round up
+    x[1, :32] = torch.nextafter(torch.tensor(448.0 * 4), torch.tensor(1e9))  # one ulp above
+    x[1, 32:] = 448.0 * 1.875  # FLOOR saturation (mantissa above 1.75)
+    x[2, :32] = 1e-40  # subnormal amax -> byte 0
+    x[2, 32:] = 3e38  # huge amax -> exponent clamped to 127
+    x[3, :32] = -0.0
+    x[3, 32:] = torch.linspace(-1, 1, 32) * 1e-3
+    x[4, :32] = torch.tensor([2.0**-k for k in range(32)])  # element subnormals
+    x[5] = torch.randn(64) * 1e4
+    x[6, :] = torch.linspace(-7, 7, 64)
+    _check(name, opts, x)
+    _check(name, opts, x.to(torch.bfloat16))
+
+
+# -- non-finite ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,opts", FORMATS, ids=FMT_IDS)
+def test_nonfinite(name, opts):
+    x = _wide_range(4, 128, seed=3)
+    x[1, 5] = float("nan")
+    x[2, 100] = float("inf")
+    x[3, 0] = float("-inf")
+    fmt = get_format(name, **opts)
+    with pytest.raises(NonFiniteError):
+        fmt.encode(x.to(DEV), name="w")
+    _check(name, opts, x, allow_nonfinite=True)
+    if name == "nvfp4":
+        with pytest.raises(NonFiniteError):
+            fmt.encode(x.to(DEV), name="w", weight_scale_2=1.0)
+        _check(name, opts, x, allow_nonfinite=True, weight_scale_2=0.5)
+
+
+# -- decode of arbitrary stored bytes ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,opts", FORMATS, ids=FMT_IDS)
+def test_decode_any_bytes(name, opts):
+    fmt = get_format(name, **opts)
+    g = torch.Generator().manual_seed(5)
+    spec = fmt.parts((64, 256))
+    parts = {}
+    for k, (shape, dt) in spec.items():
+        if dt == torch.float32:
+            parts[k] = torch.tensor(0.003, dtype=torch.float32)
+        else:
+            parts[k] = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(dt)
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        got = fmt.decode({k: v.to(DEV) for k, v in parts.items()}, dt)
+        with gpu.kernels_disabled():
+            want = fmt.decode(parts, dt)
+        assert _same_values(got, want), f"{name}{opts} decode -> {dt}"
+
+
+# -- grouped ops (what the weight sync uses) --------------------------------------------------
+
+
+def test_grouped_ops_match_per_tensor():
+    from inkling_ckpt.formats.gpu import ops
+
+    fmt = get_format("nvfp4")
+    xs = torch.stack([_wide_range(32, 128, seed=s) for s in range(5)])
+    xs[3] = 0
+    xd = xs.to(DEV)
+    amax, bad = ops.group_amax(xd.view(5, -1))
+    assert not bad.any()
+    s2 = ops.nvfp4_global_scales(amax)
+    w, sc, bad = ops.nvfp4_encode(xd.view(5, -1), s2)
+    for i in range(5):
+        want = _ref_encode(fmt, xs[i])
+        assert torch.equal(_bits(s2[i]), _bits(want["weight_scale_2"]))
+        assert torch.equal(_bits(w[i]), _bits(want["weight"]))
+        assert torch.equal(_bits(sc[i]), _bits(want["weight_scale"]))
+
+
+def test_dispatch_reaches_the_kernels(monkeypatch):
+    """The codec must hand device tensors to the kernels (else the comparisons above prove nothing)."""
+    from inkling_ckpt.formats.gpu import ops
+
+    calls = []
+    for fn in ("group_amax", "nvfp4_encode", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
+        orig = getattr(ops, fn)
+
+        def wrap(*a, _orig=orig, _fn=fn, **k):
+            calls.append(_fn)
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(ops, fn, wrap)
+    x = _wide_range(8, 64).to(DEV)
+    for name in ("nvfp4", "mxfp8"):
+        fmt = get_format(name)
+        fmt.decode(fmt.encode(x))
+    get_format("nvfp4").encode_group([x, x])
+    assert sorted(set(calls)) == ["group_amax", "mxfp8_decode", "mxfp8_encode", "nvfp4_decode", "nvfp4_encode"], calls
+    calls.clear()
+    with gpu.kernels_disabled():
+        get_format("nvfp4").encode(x)
+    assert calls == []
