@@ -152,18 +152,18 @@ def _pack_nibbles_reference(codes: torch.Tensor) -> torch.Tensor:
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
-def _pack_codes_i32_into(codes: torch.Tensor, out: torch.Tensor) -> None:
-    """int32 codes [n, 2m] (contiguous) -> ``out`` uint8 [n, m], element 2j in the low nibble.
+def _pack_codes_u8_into(codes: torch.Tensor, out: torch.Tensor) -> None:
+    """uint8 codes [n, 2m] (contiguous) -> ``out`` uint8 [n, m], element 2j in the low nibble.
 
-    On little-endian machines a pair of int32 codes read as one int64 is ``lo | hi << 32``;
-    ``v | v >> 28`` puts ``lo | hi << 4`` in the low byte, and the copy to uint8 keeps it.
+    On little-endian machines a pair of codes read as one int16 is ``lo | hi << 8``;
+    ``v | v >> 4`` puts ``lo | hi << 4`` in the low byte, and the copy to uint8 keeps it
+    (integer conversion is modulo 256).
     """
     if _LITTLE_ENDIAN:
-        v = codes.view(torch.int64)
-        v |= v >> 28
-        out.copy_(v)  # int64 -> uint8 keeps the low byte (conversion modulo 256)
+        v = codes.view(torch.int16)
+        out.copy_(v | (v >> 4))
     else:
-        out.copy_(codes[..., 0::2] | (codes[..., 1::2] << 4))
+        out.copy_(_pack_nibbles_reference(codes))
 
 
 # -- the codec --------------------------------------------------------------------------------
@@ -301,9 +301,9 @@ class NVFP4Format(Format):
             y = xb / eff.unsqueeze(-1)  # float32 (type promotion), one IEEE division
             out = weight[r0:r1]
             if self.fast:
-                codes = _e2m1_codes_i32(y)
+                codes = _e2m1_codes_i32(y).to(torch.uint8)
                 codes |= negative_nonzero_bit(xb, 3)  # sign nibble bit: x < 0, not -0.0
-                _pack_codes_i32_into(codes.view(n, width), out)
+                _pack_codes_u8_into(codes.view(n, width), out)
             else:
                 codes = round_e2m1_reference(y)
                 codes |= (xb < 0).to(torch.uint8) << 3
