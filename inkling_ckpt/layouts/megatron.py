@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, OutputError
+from ..errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -302,15 +302,18 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
     return writer.units_resumed
 
 
-def _first_cause(e: Exception) -> Exception:
+def _first_cause(e: Exception) -> BaseException:
+    """The first failing rank's own exception (DCP wraps every rank's failure in one).
+
+    Bad input (InklingError), I/O errors and interrupts come back as they were, so the
+    staging folder is removed or kept exactly as if DCP were not in between.
+    """
     failures = getattr(e, "failures", {}) or {}
     for _, exc in sorted(failures.items()):
         inner = exc[0] if isinstance(exc, tuple) else exc
         if isinstance(inner, BaseException):
-            if isinstance(inner, (CheckpointError, OutputError, OSError)):
-                return inner  # type: ignore[return-value]
-            return CheckpointError(f"writing torch_dist failed: {type(inner).__name__}: {inner}")
-    return CheckpointError(f"writing torch_dist failed: {e}")
+            return inner
+    return RuntimeError(f"writing torch_dist failed: {e}")
 
 
 def finish_iteration_dir(folder: Path, common: Mapping[str, Any]) -> None:

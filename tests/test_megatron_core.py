@@ -1,0 +1,56 @@
+"""Real Megatron-Core loads what ``convert hf-to-megatron`` writes (test-only dependency).
+
+``pip install megatron-core==0.16.1 psutil`` (the newest on PyPI for Python 3.11; its load path
+runs on CPU with a gloo group, see shared/reference/megatron.md §4). Skipped when absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (test-only dependency)")
+pytest.importorskip("psutil", reason="megatron-core needs psutil")
+
+SCRIPT = ROOT / "tests" / "_mcore_load.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    from inkling_ckpt.convert.megatron import hf_to_megatron
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    out = tmp_path_factory.mktemp("mcore") / "mg"
+    hf_to_megatron(HFCheckpoint.open(TINY["mixed"]), out, progress=False)
+    return out
+
+
+def test_megatron_core_loads_every_value(converted):
+    """dist_checkpointing.load, default strictness, one process: every value equals the HF source."""
+    r = subprocess.run([sys.executable, str(SCRIPT), str(converted / "release"), str(TINY["mixed"])],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+@pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="no torchrun")
+def test_megatron_core_loads_as_expert_parallel_2(converted):
+    """The same checkpoint loaded by two ranks, each holding half of every layer's experts."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29561", str(SCRIPT),
+                        str(converted / "release"), str(TINY["mixed"])],
+                       capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout[-2000:] + r.stderr[-4000:]
