@@ -80,7 +80,10 @@ def scale_bytes_rceil(amax: torch.Tensor, elem_max: float) -> torch.Tensor:
 
     ``amax`` is float32, finite and >= 0 (callers handle non-finite blocks).
     """
-    q = amax.float() / elem_max  # the quotient the references form (ModelOpt, torchao 0.18)
+    # The quotient the references form (ModelOpt, torchao 0.18), as one IEEE division: the divisor
+    # is a tensor because torch turns division by a Python scalar on CUDA into a multiply by its
+    # rounded reciprocal, which moves exact quotients such as 1.75*2^k / 448 off a power of two.
+    q = amax.float() / torch.tensor(elem_max, dtype=torch.float32, device=amax.device)
     bits = q.view(torch.int32)
     expo = bits >> 23  # biased exponent field (sign is 0)
     mant = bits & 0x7FFFFF
