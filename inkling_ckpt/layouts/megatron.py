@@ -388,7 +388,36 @@ def read_dcp_metadata(path: Path) -> Metadata:
     return md
 
 
-def _safe_load(data: io.BytesIO | Path, what: str) -> Any:
+class _Slice(io.RawIOBase):
+    """A read-only window ``[offset, offset + length)`` of an open file (torch.load reads through it)."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        self._f, self._off, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else self._len + pos
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(b), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._off + self._pos)
+        got = self._f.readinto(memoryview(b)[:n])
+        self._pos += got
+        return got
+
+
+def _safe_load(data: io.IOBase | Path, what: str) -> Any:
     try:
         return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
@@ -496,14 +525,25 @@ class TorchDistCheckpoint:
         return _safe_load(io.BytesIO(self._blob(key, None)), f"{self.folder}: object {key}")
 
     def read_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        """One stored chunk exactly as written."""
+        """One stored chunk exactly as written (weights-only load straight from the file)."""
         st = self.keys[key]
-        t = _safe_load(io.BytesIO(self._blob(key, offsets)), f"{self.folder}: chunk of {key}")
+        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+        if info is None:
+            raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
+        path = self.folder / info.relative_path
+        what = f"{path}: chunk of {key}"
+        try:
+            with open(path, "rb", buffering=0) as f:
+                if os.fstat(f.fileno()).st_size < info.offset + info.length:
+                    raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                t = _safe_load(_Slice(f, info.offset, info.length), what)  # type: ignore[arg-type]
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if not isinstance(t, torch.Tensor):
-            raise CheckpointError(f"{self.folder}: chunk of {key} at {offsets} is not a tensor")
+            raise CheckpointError(f"{what} at {offsets} is not a tensor")
         sizes = dict(st.chunks).get(offsets)
         if sizes is None or tuple(t.shape) != sizes or t.dtype != st.dtype:
-            raise CheckpointError(f"{self.folder}: chunk of {key} at {offsets} is {t.dtype} {list(t.shape)}, "
+            raise CheckpointError(f"{what} at {offsets} is {t.dtype} {list(t.shape)}, "
                                   f".metadata says {st.dtype} {list(sizes or ())}")
         return t
 

@@ -1,0 +1,156 @@
+"""Benchmark ``convert hf-to-megatron`` (and back) on generated ``wide`` checkpoints.
+
+For each size it writes a BF16 ``wide`` fixture (real 2304 x 4608 expert matrices; 4 layers
+is about 4.2 GB, 8 layers twice that), then measures, each in its own process:
+
+* ``plain``: a plain read + write of the fixture's shard files (64 MiB blocks, fsync per file)
+  — the baseline: what the disk and page cache give without any conversion work;
+* ``hf-to-megatron``: the conversion to torch_dist;
+* ``megatron-to-hf``: the way back (``--plan bf16``, so no encoding work either way).
+
+It reports wall time, MB/s (output bytes / wall time; 1 MB = 10^6 B), peak RSS (the child's
+``ru_maxrss``) and the acceptance checks: peak RSS of the two sizes within 10% of each other
+and below 3 x the largest tensor + 512 MiB; conversion throughput >= 50% of the plain copy.
+
+    python bench/convert.py                     # 4 and 8 layers under ./bench-work
+    python bench/convert.py --layers 1 2        # a quick run
+    python bench/convert.py --json out.json
+
+Disk: about 4 x the largest fixture at a time (fixture, copy or output); each is removed
+after use unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 64 * 2**20
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_measured(cmd: list[str]) -> tuple[float, int]:
+    """Run ``cmd``; (wall seconds, peak RSS bytes of that process)."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t0
+    out, err = p.stdout.read().decode(), p.stderr.read().decode()  # type: ignore[union-attr]
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err}")
+    return wall, usage.ru_maxrss * 1024
+
+
+def plain_copy(src: str, dst: str) -> None:
+    """The baseline: copy every file of ``src`` into ``dst`` with plain reads and writes."""
+    os.makedirs(dst, exist_ok=True)
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    for name in sorted(os.listdir(src)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(src, name), "rb", buffering=0) as fi, open(os.path.join(dst, name), "wb", buffering=0) as fo:
+            while True:
+                n = fi.readinto(buf)
+                if not n:
+                    break
+                fo.write(view[:n])
+            os.fsync(fo.fileno())
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def largest_tensor(fixture: Path) -> int:
+    sys.path.insert(0, str(ROOT))
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    return max(t.nbytes for t in HFCheckpoint.open(fixture).tensors.values())
+
+
+def bench_size(work: Path, layers: int, keep: bool) -> dict:
+    cli = [sys.executable, "-m", "inkling_ckpt"]
+    fixture = work / f"wide-{layers}L"
+    if not fixture.exists():
+        t0 = time.perf_counter()
+        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", "bf16", "--layers", str(layers),
+                              "--max-shard-size", "2GB", "-q"], check=True, env=_env())
+        print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    src_bytes = sum(f.stat().st_size for f in fixture.glob("*.safetensors"))
+    res: dict = {"layers": layers, "fixture_bytes": src_bytes, "largest_tensor": largest_tensor(fixture)}
+
+    copy = work / "plain-copy"
+    wall, rss = run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                              f"import convert as b; b.plain_copy({str(fixture)!r}, {str(copy)!r})"])
+    res["plain"] = {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
+    shutil.rmtree(copy)
+
+    mg = work / "mg"
+    wall, rss = run_measured(cli + ["convert", "hf-to-megatron", str(fixture), str(mg), "-q"])
+    out_bytes = folder_bytes(mg / "release")
+    res["hf-to-megatron"] = {"seconds": wall, "bytes": out_bytes, "mb_s": out_bytes / wall / 1e6, "peak_rss": rss}
+
+    back = work / "back"
+    wall, rss = run_measured(cli + ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(fixture),
+                                    "--plan", "bf16", "--max-shard-size", "2GB", "-q"])
+    back_bytes = sum(f.stat().st_size for f in back.glob("*.safetensors"))
+    res["megatron-to-hf"] = {"seconds": wall, "bytes": back_bytes, "mb_s": back_bytes / wall / 1e6, "peak_rss": rss}
+    same = subprocess.run(["cmp", "-s", *sorted(str(p) for p in fixture.glob("*.safetensors"))[:1],
+                           *sorted(str(p) for p in back.glob("*.safetensors"))[:1]]).returncode == 0
+    res["round_trip_first_shard_identical"] = same
+    shutil.rmtree(mg)
+    shutil.rmtree(back)
+    if not keep:
+        shutil.rmtree(fixture)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", type=Path, default=ROOT / "bench-work", help="scratch folder (needs ~4x the largest fixture)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="fixture sizes in layers (4 = ~4.2 GB)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated fixtures")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for layers in args.layers:
+        print(f"wide, {layers} layers:", flush=True)
+        r = bench_size(args.work, layers, args.keep)
+        results.append(r)
+        for what in ("plain", "hf-to-megatron", "megatron-to-hf"):
+            m = r[what]
+            ratio = m["mb_s"] / r["plain"]["mb_s"]
+            print(f"  {what:15s} {m['bytes'] / 1e9:6.2f} GB in {m['seconds']:6.1f} s = {m['mb_s']:7.1f} MB/s "
+                  f"({ratio:4.0%} of plain)  peak RSS {m['peak_rss'] / 2**20:7.1f} MiB", flush=True)
+    print("checks:")
+    limit = 3 * max(r["largest_tensor"] for r in results) + 512 * 2**20
+    for what in ("hf-to-megatron", "megatron-to-hf"):
+        peaks = [r[what]["peak_rss"] for r in results]
+        spread = max(peaks) / min(peaks) - 1
+        print(f"  {what}: peak RSS {', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB; spread {spread:.1%} (<= 10%: "
+              f"{'yes' if spread <= 0.10 else 'NO'}); below 3 x largest tensor + 512 MiB = {limit / 2**20:.0f} MiB: "
+              f"{'yes' if max(peaks) < limit else 'NO'}")
+        ratios = [r[what]["mb_s"] / r["plain"]["mb_s"] for r in results]
+        print(f"  {what}: throughput {', '.join(f'{x:.0%}' for x in ratios)} of plain read+write (>= 50%: "
+              f"{'yes' if min(ratios) >= 0.5 else 'NO'})")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
