@@ -1,6 +1,6 @@
 """Codec throughput and peak memory: inkling_ckpt.formats vs torchao 0.18 (when installed).
 
-    .venv/bin/python bench/codecs.py [--rows 2304] [--cols 4608] [--repeat 10]
+    .venv/bin/python bench/codecs.py [--rows 2304] [--cols 4608] [--repeat 10] [--threads N]
 
 For a [rows, cols] bf16 N(0,1) matrix, prints encode and decode throughput (million elements
 per second, best of --repeat runs after one warm-up) and the peak extra resident memory of one
@@ -119,7 +119,8 @@ def child(impl: str, fmt_name: str, op: str, rows: int, cols: int, repeat: int) 
 
 def _run_child(impl, fmt_name, op, args) -> dict | None:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", impl, fmt_name, op,
-           "--rows", str(args.rows), "--cols", str(args.cols), "--repeat", str(args.repeat)]
+           "--rows", str(args.rows), "--cols", str(args.cols), "--repeat", str(args.repeat),
+           "--threads", str(args.threads)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(f"[{impl} {fmt_name} {op}] failed:\n{r.stderr[-2000:]}\n")
@@ -141,9 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=2304)
     ap.add_argument("--cols", type=int, default=4608)
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     ap.add_argument("--child", nargs=3, metavar=("IMPL", "FORMAT", "OP"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
         print(json.dumps(child(*args.child, args.rows, args.cols, args.repeat)))
         return 0
 
