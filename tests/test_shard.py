@@ -193,3 +193,28 @@ def test_merge_refuses_truncated_or_corrupted_ranks(tmp_path, capsys):
 def test_merge_of_a_non_sharded_folder(tmp_path, capsys):
     code, _, err = _cli(["shard", "--merge", str(FIXTURES / "tiny-bf16"), str(tmp_path / "out")], capsys)
     assert code != 0 and "not a sharded checkpoint" in err
+
+
+def test_rerun_is_skipped_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
+    import inkling_ckpt.layouts.sharded as sharded
+
+    src = FIXTURES / "tiny-mixed"
+    real = sharded._shard_file
+    calls = []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sharded, "_shard_file", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False)
+    assert not (tmp_path / "sh").exists() and (tmp_path / ".sh.inkling-partial").is_dir()
+    monkeypatch.setattr(sharded, "_shard_file", real)
+    res = shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False)
+    assert res.resumed and not res.skipped
+    assert shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False).skipped
+    merge(tmp_path / "sh", tmp_path / "back", progress=False)
+    assert _files(tmp_path / "back") == _files(src)

@@ -115,11 +115,33 @@ def _hash_files(root: Path, rels: list[str], workers: int | None = None) -> dict
         return dict(pool.map(one, rels))
 
 
+class _Hasher:
+    """Hashes finished output files on background threads while the next ones are written."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.futures: dict[str, Any] = {}
+
+    def submit(self, rel: str) -> None:
+        self.futures[rel] = self.pool.submit(lambda: {"bytes": (self.root / rel).stat().st_size,
+                                                      "sha256": sha256_file(self.root / rel)})
+
+    def results(self, rels: list[str]) -> dict[str, dict[str, Any]]:
+        """Hashes of ``rels``: those already done in the background, the rest now."""
+        done = {rel: self.futures[rel].result() for rel in rels if rel in self.futures}
+        done.update(_hash_files(self.root, [rel for rel in rels if rel not in done]))
+        return done
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _RankStaging:
     """A rank's sub-folder of the job's staging folder, shaped like :class:`Staging` for HFWriter."""
 
-    def __init__(self, st: Staging, sub: str):
-        self.st, self.sub = st, sub
+    def __init__(self, st: Staging, sub: str, hasher: _Hasher | None = None):
+        self.st, self.sub, self.hasher = st, sub, hasher
         self.path = st.path / sub
         self.path.mkdir(parents=True, exist_ok=True)
 
@@ -131,6 +153,8 @@ class _RankStaging:
 
     def finish(self, rel: str) -> None:
         self.st.finish(f"{self.sub}/{rel}")
+        if self.hasher is not None:
+            self.hasher.submit(f"{self.sub}/{rel}")
 
 
 # ---- shard --------------------------------------------------------------------------------
@@ -174,39 +198,50 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
             result.skipped = True
             return result
         result.resumed = st.resumed
-        writers = []
-        for r in plan.parallel.ranks:
-            local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
-            writers.append(HFWriter(_RankStaging(st, rank_dir(r)), local, max_shard_size))
-        by_name = {p.name: p for p in plan.placements}
-        total = sum(p.spec.nbytes for p in plan.placements)
-        source_info: dict[str, dict[str, Any]] = {}
-        with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
-            try:
-                for f in shards:
-                    source_info[f] = _shard_file(ckpt.root / f, headers[f], by_name, writers, bar.advance)
-            finally:
-                for w in writers:
-                    w.abort()
-            for r, w in enumerate(writers):
-                w.close()
-                _write_rank_index(w, plan, r)
-        (st.path / HEADERS_DIR).mkdir(parents=True, exist_ok=True)
-        for f in shards:
-            (st.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
-            source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
-        for name in small:
-            shutil.copyfile(ckpt.root / name, st.path / SOURCE_DIR / name)
-            source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
-                                 "sha256": sha256_file(ckpt.root / name)}
-        rels = sorted(str(p.relative_to(st.path)) for p in st.path.rglob("*")
-                      if p.is_file() and p.name not in (JOB_FILE, DONE_FILE, MANIFEST))
-        manifest = build_manifest(ckpt, plan, source_info, _hash_files(st.path, rels), headers)
-        (st.path / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        result.source_bytes = total
-        result.rank_bytes = [r["bytes"] for r in manifest["ranks"]]
-        result.written_bytes = sum(result.rank_bytes)
+        hasher = _Hasher(st.path)
+        try:
+            _shard_into(st, ckpt, plan, shards, small, headers, hasher, max_shard_size, progress, result)
+        finally:
+            hasher.close()
     return result
+
+
+def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[str], small: list[str],
+                headers: dict[str, RawHeader], hasher: _Hasher, max_shard_size: int | str, progress: bool,
+                result: ShardResult) -> None:
+    tp, ep = plan.tp, plan.parallel.ep
+    writers = []
+    for r in plan.parallel.ranks:
+        local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
+        writers.append(HFWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
+    by_name = {p.name: p for p in plan.placements}
+    total = sum(p.spec.nbytes for p in plan.placements)
+    source_info: dict[str, dict[str, Any]] = {}
+    with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
+        try:
+            for f in shards:
+                source_info[f] = _shard_file(ckpt.root / f, headers[f], by_name, writers, bar.advance)
+        finally:
+            for w in writers:
+                w.abort()
+        for r, w in enumerate(writers):
+            w.close()
+            _write_rank_index(w, plan, r)
+    (st.path / HEADERS_DIR).mkdir(parents=True, exist_ok=True)
+    for f in shards:
+        (st.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
+        source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
+    for name in small:
+        shutil.copyfile(ckpt.root / name, st.path / SOURCE_DIR / name)
+        source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
+                             "sha256": sha256_file(ckpt.root / name)}
+    rels = sorted(str(p.relative_to(st.path)) for p in st.path.rglob("*")
+                  if p.is_file() and p.name not in (JOB_FILE, DONE_FILE, MANIFEST))
+    manifest = build_manifest(ckpt, plan, source_info, hasher.results(rels), headers)
+    (st.path / MANIFEST).write_text(dump_manifest(manifest))
+    result.source_bytes = total
+    result.rank_bytes = [r["bytes"] for r in manifest["ranks"]]
+    result.written_bytes = sum(result.rank_bytes)
 
 
 def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWriter],
@@ -214,18 +249,26 @@ def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWr
     """Stream one source shard in file order: hash every byte, hand each tensor's pieces to the ranks."""
     h = hashlib.sha256(header.blob)
     pos = header.data_start
-    with open(path, "rb") as f:
+    # The hash of tensor i runs on a helper thread while tensor i is written (one in flight).
+    pool = ThreadPoolExecutor(max_workers=1)
+    pending = None
+    with open(path, "rb") as f, pool:
         f.seek(pos)
         for name in header.in_offset_order():
             shape, dtype, a, b = header.entries[name]
             start = header.data_start + a
             if start > pos:  # bytes between tensors (not written by our writers, kept by the hash)
+                if pending is not None:
+                    pending.result()
+                    pending = None
                 h.update(f.read(start - pos))
             buf = bytearray(b - a)
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{path}: truncated inside {name}")
             pos = header.data_start + b
-            h.update(buf)
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, buf)
             p = by_name[name]
             t = bytes_to_tensor(buf, shape, dtype)
             for rank, piece in enumerate(p.holders):
@@ -237,6 +280,8 @@ def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWr
                     lo, hi = p.piece_range(piece)
                     writers[rank].write(name, t.narrow(p.dim, lo, hi - lo).contiguous())
             advance(b - a)
+        if pending is not None:
+            pending.result()
         while chunk := f.read(_HASH_CHUNK):  # anything after the last tensor
             h.update(chunk)
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
@@ -281,6 +326,19 @@ def build_manifest(ckpt: HFCheckpoint, plan: ShardPlan, source_info: dict[str, A
         "source": source_info,
         "files": files,
     }
+
+
+def dump_manifest(manifest: dict[str, Any]) -> str:
+    """The manifest as JSON: indented, but one line per tensor and per file (it lists every tensor)."""
+    def table(d: dict[str, Any]) -> str:
+        rows = [f"  {json.dumps(k)}: {json.dumps(v, separators=(', ', ': '))}" for k, v in d.items()]
+        return "{\n" + ",\n".join(rows) + "\n }"
+
+    parts = []
+    for key, value in manifest.items():
+        body = table(value) if key in ("tensors", "files", "rules", "source", "experts") else json.dumps(value, indent=2)
+        parts.append(f" {json.dumps(key)}: {body}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 # ---- reading a sharded folder ---------------------------------------------------------------
@@ -442,7 +500,9 @@ def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st:
     order = sorted(entries, key=lambda k: entries[k]["data_offsets"][0])
     h = hashlib.sha256(blob)
     path = st.partial(name)
-    with open(path, "wb") as f:
+    pool = ThreadPoolExecutor(max_workers=1)  # hash tensor i while it is written (one in flight)
+    pending = None
+    with open(path, "wb") as f, pool:
         f.write(blob)
         pos = 0
         for tname in order:
@@ -454,10 +514,14 @@ def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st:
             data = sharded.raw(tname)
             if len(data) != b - a:
                 raise CheckpointError(f"{sharded.root}: {tname} reassembles to {len(data)} bytes, expected {b - a}")
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, data)
             f.write(data)
-            h.update(data)
             pos = b
             advance(b - a)
+        if pending is not None:
+            pending.result()
     if h.hexdigest() != info["sha256"]:
         raise IntegrityError(f"merged {name} does not match the source's sha256 {info['sha256'][:16]}…")
     st.finish(name)
