@@ -15,8 +15,9 @@ What is compared, and where the references are *defined* to differ (reference/qu
 * torchao 0.18 ``nvfp4_quantize(per_tensor_scale=s2)``: it clamps block scales at 2^-6 instead of
   2^-9, writes 0x08 for zero blocks, forms the block scale as (amax/6)/s2 instead of amax/(6*s2),
   and multiplies by a reciprocal. So: scale bytes are compared where our byte >= 0x08, the block is
-  non-zero and both fp32 quotients are equal; elements where the scale bytes agree, the element
-  is not -0.0 (torchao keeps the sign bit) and x/scale is not within 1e-6 of an E2M1 midpoint.
+  non-zero and both fp32 quotients are equal (and must agree in >= 99.9% of the blocks where only
+  the quotients differ); elements where the scale bytes agree, the element is not -0.0 (torchao
+  keeps the sign bit) and x/scale is not within 1e-6 of an E2M1 midpoint.
 """
 
 from __future__ import annotations
@@ -186,6 +187,9 @@ def test_torchao_nvfp4_quantize(x):
     ours_s, theirs_s = u8(p["weight_scale"]), u8(ref_s).reshape(rows, -1)
     scale_defined = (ours_s >= 0x08) & (bamax > 0) & (ours_q == theirs_q)
     assert torch.equal(ours_s[scale_defined], theirs_s[scale_defined])
+    # where only the quotients differ (by an ulp, ~1/3 of blocks) the bytes still almost always agree
+    quot = (ours_s >= 0x08) & (bamax > 0) & (ours_q != theirs_q)
+    assert int((ours_s != theirs_s)[quot].sum()) <= max(1, int(quot.sum()) // 1000)
     # elements
     nib = lambda w: torch.stack((w & 0xF, w >> 4), -1).reshape(rows, width)  # noqa: E731
     ours_n, theirs_n = nib(p["weight"]), nib(ref_w.reshape(rows, -1))
