@@ -218,3 +218,21 @@ def test_rerun_is_skipped_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
     assert shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False).skipped
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
+
+
+@pytest.mark.parametrize("damage", ["drop_files", "bad_holders", "not_json", "edited_sha"])
+def test_merge_refuses_a_damaged_manifest(damage, tmp_path, capsys):
+    sh = tmp_path / "sh"
+    shard(FIXTURES / "tiny-bf16", sh, 2, 2, progress=False)
+    path = sh / MANIFEST
+    man = json.loads(path.read_text())
+    if damage == "drop_files":
+        del man["files"]
+    elif damage == "bad_holders":
+        man["tensors"]["lm_head.weight"]["holders"] = [0, 0]
+    elif damage == "edited_sha":
+        rel = next(r for r in man["files"] if r.startswith("rank-00/") and r.endswith(".safetensors"))
+        man["files"][rel]["sha256"] = "0" * 64
+    path.write_text("{" if damage == "not_json" else json.dumps(man))
+    code, _, err = _cli(["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"], capsys)
+    assert code != 0 and err.count("\n") == 1 and not (tmp_path / "out").exists()

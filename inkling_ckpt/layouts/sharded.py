@@ -368,8 +368,9 @@ class ShardedCheckpoint:
             manifest = json.loads(man_path.read_text())
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{man_path}: cannot read ({e})") from None
-        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise CheckpointError(f"{man_path}: not an {FORMAT} v{VERSION} manifest")
+        _check_manifest(manifest, man_path)
         check_files(root, manifest["files"], verify_checksums=verify_checksums, progress=progress)
         ckpt = cls(root, manifest)
         ckpt._index_ranks()
@@ -428,6 +429,33 @@ class ShardedCheckpoint:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _check_manifest(man: dict[str, Any], where: Path) -> None:
+    """The manifest's structure, so a damaged one fails with a line naming what is wrong."""
+    for key, kind in (("plan", dict), ("ranks", list), ("tensors", dict), ("source", dict), ("files", dict)):
+        if not isinstance(man.get(key), kind):
+            raise CheckpointError(f"{where}: damaged manifest: '{key}' is missing or not a {kind.__name__}")
+    tp = man["plan"].get("tp")
+    if not isinstance(tp, int) or len(man["ranks"]) != tp:
+        raise CheckpointError(f"{where}: damaged manifest: {len(man['ranks'])} ranks listed for tp {tp!r}")
+    for name, t in man["tensors"].items():
+        try:
+            holders, pieces, dim, shape = t["holders"], t["pieces"], t["dim"], t["shape"]
+            ok = (len(holders) == tp and {h for h in holders if h is not None} == set(range(pieces))
+                  and t["dtype"] in ST_TO_DTYPE
+                  and (pieces == 1 if dim is None else 0 <= dim < len(shape) and shape[dim] % pieces == 0))
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{where}: damaged manifest: entry of {name} is inconsistent")
+    for name, info in man["source"].items():
+        if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info:
+            raise CheckpointError(f"{where}: damaged manifest: source entry {name}")
+    for rel, info in man["files"].items():
+        if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info or ".." in Path(rel).parts \
+                or Path(rel).is_absolute():
+            raise CheckpointError(f"{where}: damaged manifest: file entry {rel}")
 
 
 def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksums: bool = True,
