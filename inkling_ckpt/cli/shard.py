@@ -11,7 +11,7 @@ import typer
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
-from ..plan.memory import render_ranks, rank_memory
+from ..plan.memory import CATEGORIES, rank_memory, render_ranks
 from .app import app
 
 _HELP = "\n\n".join([
@@ -73,7 +73,10 @@ def shard_cmd(
         for pattern, r in info["rules"].items():
             typer.echo(f"  {pattern:<64} {r['describe']} [{r['tensors']}]")
         typer.echo("")
-        typer.echo(render_ranks(ranks, sum(s.nbytes for s in ckpt.expected())))
+        by_cat = dict.fromkeys(CATEGORIES, 0)
+        for s in ckpt.expected():
+            by_cat[s.category.value] += s.nbytes
+        typer.echo(render_ranks(ranks, sum(by_cat.values()), by_cat))
         return
     if dst is None:
         raise PlanError("DST is required (or pass --dry-run)")
