@@ -131,3 +131,39 @@ def test_full_model_plan_is_fast_enough_and_adds_up():
     # every rank holds a quarter of the experts plus its share of the rest, replicas counted per rank
     assert sum(per_rank) >= total
     assert max(per_rank) - min(per_rank) < 0.01 * max(per_rank)
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@st.composite
+def _model_and_plan(draw):
+    kv = draw(st.sampled_from([1, 2, 4, 8]))
+    nh = kv * draw(st.sampled_from([1, 2, 3, 6]))
+    experts = draw(st.sampled_from([4, 6, 8, 12, 16]))
+    tp = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 16]))
+    ep = draw(st.sampled_from([d for d in (1, 2, 3, 4, 8, 16) if d <= tp]))
+    fmt = draw(st.sampled_from(["bf16", "mxfp8", "0-1:nvfp4,2-3:mxfp8"]))
+    text = {**preset_config("tiny")["text_config"], "num_attention_heads": nh, "num_key_value_heads": kv,
+            "n_routed_experts": experts, "num_experts_per_tok": 2, "moe_intermediate_size": 64 * draw(st.sampled_from([1, 3]))}
+    return InklingConfig.from_dict({**preset_config("tiny"), "text_config": text}), PrecisionPlan.parse(fmt, 4), tp, ep
+
+
+@settings(max_examples=60, deadline=None)
+@given(_model_and_plan())
+def test_property_valid_plans_cover_every_tensor_once_per_piece(case):
+    cfg, precision, tp, ep = case
+    try:
+        sp = ShardPlan.build(cfg, precision, tp, ep, inventory(cfg, precision))
+    except PlanError as e:
+        assert "\n" not in str(e)
+        return
+    for p in sp.placements:
+        assert {h for h in p.holders if h is not None} == set(range(p.pieces)), p.name
+        if p.dim is not None:
+            assert p.spec.shape[p.dim] % p.pieces == 0
+        if p.spec.fmt not in (None, "bf16") and p.dim == len(p.spec.shape) - 1 and p.spec.part == "weight":
+            # a cut along an expert's input width lands on a block boundary
+            block = 16 if p.spec.fmt == "nvfp4" else 32
+            elems = p.local_shape[-1] * (2 if p.spec.fmt == "nvfp4" else 1)
+            assert elems % block == 0

@@ -84,7 +84,7 @@ def test_shard_merge_byte_identical(variant, tp, tmp_path):
     src = FIXTURES / f"tiny-{variant}"
     res = shard(src, tmp_path / "sh", tp, tp, max_shard_size="1MB", progress=False)
     assert sum(res.rank_bytes) >= res.source_bytes > 0
-    if tp in (2, 8):  # the oracle check reads every tensor: two plans per variant suffice
+    if tp > 1:  # every rank against the independent oracle
         _check_ranks(src, tmp_path / "sh", tp, tp)
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
