@@ -22,7 +22,7 @@ Report (``--json``), schema ``inkling-ckpt/verify-report/v1``::
      "formats": {FORMAT: STATS},            # FORMAT: "nvfp4", "mxfp8", "bf16", "dense", or "x->y"
      "layers":  [{"layer", "format", **STATS}],       # routed experts per decoder layer
      "tensors": [{"name", "format", "layer", **STATS}],  # worst first
-     "thresholds": {"min_sqnr_db", "exact", "passed", "failures"}}
+     "thresholds": {"min_sqnr_db", "exact", "passed", "failures", "first_failures"}}
     STATS = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs",
              "rel_rmse", "sqnr_db"}                   # per tensor: "tensors" == 1
 
