@@ -236,3 +236,20 @@ def test_merge_refuses_a_damaged_manifest(damage, tmp_path, capsys):
     path.write_text("{" if damage == "not_json" else json.dumps(man))
     code, _, err = _cli(["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"], capsys)
     assert code != 0 and err.count("\n") == 1 and not (tmp_path / "out").exists()
+
+
+def test_sharded_folder_is_a_tensor_source(tmp_path):
+    """A sharded folder can feed the converters: requantize it to MXFP8 straight from the ranks."""
+    from inkling_ckpt.convert.requantize import requantize
+    from inkling_ckpt.layouts.sharded import ShardedCheckpoint
+    from inkling_ckpt.model.precision import PrecisionPlan
+
+    shard(FIXTURES / "tiny-bf16", tmp_path / "sh", 4, 4, progress=False)
+    src = ShardedCheckpoint.open(tmp_path / "sh")
+    assert set(src.extra_files()) == {"generation_config.json"}
+    requantize(src, tmp_path / "mx", PrecisionPlan.parse("mxfp8", 4), max_shard_size="2MB", progress=False)
+    src.close()
+    ref = HFCheckpoint.open(FIXTURES / "tiny-mxfp8")
+    out = HFCheckpoint.open(tmp_path / "mx")
+    for name in ref.tensors:
+        assert torch.equal(out.get(name).reshape(-1).view(torch.uint8), ref.get(name).reshape(-1).view(torch.uint8)), name

@@ -425,6 +425,18 @@ class ShardedCheckpoint:
         t = self.tensors[name]
         return bytes_to_tensor(bytearray(self.raw(name)), tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]])
 
+    def extra_files(self) -> dict[str, bytes]:
+        """The source's pass-through files (tokenizer, generation config, ...), as HFCheckpoint gives them."""
+        own = {"config.json", INDEX, QUANT_CONFIG}
+        return {name: (self.root / SOURCE_DIR / name).read_bytes() for name, info in sorted(self.manifest["source"].items())
+                if "header" not in info and name not in own}
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies this source for resume fingerprints."""
+        return {"root": str(self.root.resolve()), "plan": str(self.plan),
+                "manifest": {"bytes": (self.root / MANIFEST).stat().st_size,
+                             "files": {rel: info["sha256"] for rel, info in sorted(self.manifest["files"].items())}}}
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
