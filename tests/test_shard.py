@@ -253,3 +253,27 @@ def test_sharded_folder_is_a_tensor_source(tmp_path):
     out = HFCheckpoint.open(tmp_path / "mx")
     for name in ref.tensors:
         assert torch.equal(out.get(name).reshape(-1).view(torch.uint8), ref.get(name).reshape(-1).view(torch.uint8)), name
+
+
+def test_interrupted_merge_resumes(tmp_path, monkeypatch):
+    import inkling_ckpt.layouts.sharded as sharded
+
+    src = FIXTURES / "tiny-bf16"
+    shard(src, tmp_path / "sh", 2, 2, progress=False)
+    real = sharded._merge_file
+    calls = []
+
+    def flaky(*args, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(sharded, "_merge_file", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        merge(tmp_path / "sh", tmp_path / "back", progress=False)
+    assert not (tmp_path / "back").exists()
+    monkeypatch.setattr(sharded, "_merge_file", real)
+    merge(tmp_path / "sh", tmp_path / "back", progress=False)
+    assert _files(tmp_path / "back") == _files(src)
+    assert merge(tmp_path / "sh", tmp_path / "back", progress=False).skipped

@@ -517,12 +517,16 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
             total = sum(info["bytes"] for info in sources.values())
             with ByteProgress(total, desc="merge", enabled=progress) as bar:
                 for name, info in sorted(sources.items()):
-                    if "header" in info:
+                    if st.is_finished(name):  # resumed: this file was rebuilt and checked already
+                        bar.advance(info["bytes"])
+                    elif "header" in info:
                         _merge_file(sharded, name, info, st, bar.advance)
                     else:
-                        shutil.copyfile(root / SOURCE_DIR / name, st.path / name)
-                        if sha256_file(st.path / name) != info["sha256"]:
+                        tmp = st.partial(name)
+                        shutil.copyfile(root / SOURCE_DIR / name, tmp)
+                        if sha256_file(tmp) != info["sha256"]:
                             raise IntegrityError(f"{root / SOURCE_DIR / name}: does not match the source's sha256")
+                        st.finish(name)
                         bar.advance(info["bytes"])
             result.bytes = total
     finally:
