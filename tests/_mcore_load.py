@@ -31,9 +31,10 @@ def main(ckpt: str, hf: str) -> None:
     from inkling_ckpt.model.mapping import InklingMapping, QKVInterleave, StackedExperts
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29512")
-        dist.init_process_group("gloo", rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # one process: an in-memory store, no port
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        else:  # torchrun
+            dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     src = HFCheckpoint.open(hf)
     cfg = src.cfg

@@ -19,6 +19,14 @@ from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
 BIN = Path(sys.executable).parent
 
 
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -51,7 +59,7 @@ def small_mixed(tmp_path_factory) -> Path:
 def test_torchrun_two_ranks_write_the_one_process_checkpoint(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     subprocess.run(_cli("convert", "hf-to-megatron", TINY["mixed"], one, "-q"), check=True, env=_env(), capture_output=True)
-    r = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", "29571", "-m", "inkling_ckpt",
+    r = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", _free_port(), "-m", "inkling_ckpt",
                         "convert", "hf-to-megatron", str(TINY["mixed"]), str(two), "-q"],
                        env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

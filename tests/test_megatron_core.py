@@ -22,6 +22,14 @@ pytest.importorskip("psutil", reason="megatron-core needs psutil")
 SCRIPT = ROOT / "tests" / "_mcore_load.py"
 
 
+def _free_port() -> str:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -50,7 +58,7 @@ def test_megatron_core_loads_every_value(converted):
 def test_megatron_core_loads_as_expert_parallel_2(converted):
     """The same checkpoint loaded by two ranks, each holding half of every layer's experts."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", "29561", str(SCRIPT),
+    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", _free_port(), str(SCRIPT),
                         str(converted / "release"), str(TINY["mixed"])],
                        capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout[-2000:] + r.stderr[-4000:]

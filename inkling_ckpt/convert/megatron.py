@@ -18,6 +18,7 @@ interrupted one; in the torch_dist folder ``metadata.json`` is written last.
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -163,33 +164,46 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
 
     total = sum(c.nbytes for c in my_chunks)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
+    # Collective points, in the same order on every rank: broadcast(status), all_ok(written),
+    # all_ok(published). Rank 0 owns the staging folder and publishes.
     if world.rank == 0:
-        with Staging(dst, job, force=force) as st:
-            status = {"done": st.done, "path": str(st.path), "resumed": st.resumed}
-            _broadcast(status, world)
-            if st.done:
-                result.skipped = True
-                _all_ok(None, world)
-                return result
-            result.resumed = st.resumed
-            err = _write_share(Path(st.path) / RELEASE, my_chunks, my_objects, produce, total, progress, order)
-            _all_ok(err, world)  # all ranks have written; .metadata is there
-            finish_iteration_dir(Path(st.path) / RELEASE, common_state(
-                inkling={"version": __version__, "vocab_size": src.cfg.vocab_size, "vocab_rows": m.vocab_rows,
-                         "source_plan": str(src.plan)}))
-            write_tracker(Path(st.path))
-        _all_ok(None, world)  # published
+        written = False
+        try:
+            with ExitStack() as stack:
+                try:
+                    st = stack.enter_context(Staging(dst, job, force=force))
+                except BaseException as e:
+                    _broadcast({"error": str(e)}, world)
+                    raise
+                _broadcast({"done": st.done, "path": str(st.path)}, world)
+                if st.done:
+                    result.skipped = True
+                else:
+                    result.resumed = st.resumed
+                    err = _write_share(Path(st.path) / RELEASE, my_chunks, my_objects, produce, total, progress, order)
+                    _all_ok(err, world)  # every rank has written; .metadata is there
+                    written = True
+                    finish_iteration_dir(Path(st.path) / RELEASE, common_state(
+                        inkling={"version": __version__, "vocab_size": src.cfg.vocab_size, "vocab_rows": m.vocab_rows,
+                                 "source_plan": str(src.plan)}))
+                    write_tracker(Path(st.path))
+        except BaseException as e:
+            if written:
+                _all_ok(e, world)  # tell the others, who wait for the publish; re-raises here
+            raise
+        _all_ok(None, world)
     else:
         status = _broadcast(None, world)
-        if status is None:  # rank 0 failed before starting: it raised already
-            raise CheckpointError("rank 0 could not start the conversion")
+        if "error" in status:
+            raise CheckpointError(f"rank 0 could not start: {status['error']}")
         if status["done"]:
             result.skipped = True
-            _all_ok(None, world)
-            return result
-        err = _write_share(Path(status["path"]) / RELEASE, my_chunks, my_objects, produce, total, False, order)
-        _all_ok(err, world)
+        else:
+            err = _write_share(Path(status["path"]) / RELEASE, my_chunks, my_objects, produce, total, False, order)
+            _all_ok(err, world)
         _all_ok(None, world)
+    if result.skipped:
+        return result
     result.tensors = len(m.megatron_keys())
     result.bytes = sum(c.nbytes for c in chunks)
     return result
