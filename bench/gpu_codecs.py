@@ -230,20 +230,25 @@ def main():
     res["checks"] = checks
 
     if args.sweep:
-        for nb in (32, 64, 128, 256):
-            for nw in (2, 4, 8):
-                ops.NVFP4_ENC.update(NB=nb, num_warps=nw)
-                row(f"  sweep NVFP4 enc NB={nb} warps={nw}", b_nv, bench(k_nvfp4, 150), copy)
-        ops.NVFP4_ENC.update(NB=128, num_warps=4)
-        for nb in (16, 32, 64, 128):
-            for nw in (2, 4, 8):
-                ops.MXFP8_ENC.update(NB=nb, num_warps=nw)
-                row(f"  sweep MXFP8 enc NB={nb} warps={nw}", b_mx, bench(k_mxfp8, 150), copy)
-        ops.MXFP8_ENC.update(NB=64, num_warps=4)
-        for ch, tile, nw in ((16384, 2048, 8), (32768, 4096, 8), (65536, 4096, 8), (8192, 1024, 4)):
-            ops.AMAX.update(CHUNK=ch, TILE=tile, num_warps=nw)
-            row(f"  sweep amax CHUNK={ch} TILE={tile} w={nw}", b_amax, bench(k_amax, 150), copy)
-        ops.AMAX.update(CHUNK=16384, TILE=2048, num_warps=8)
+        for nb in (128, 256, 512):
+            for nw in (4, 8):
+                ops.NVFP4_BF16.update(NB=nb, num_warps=nw)
+                row(f"  sweep NVFP4 bf16 NB={nb} warps={nw}", b_nv, bench(k_nvfp4, 150), copy)
+        ops.NVFP4_BF16.update(NB=256, num_warps=4)
+        for nb in (64, 128, 256):
+            for nw in (4, 8):
+                ops.MXFP8_BF16.update(NB=nb, num_warps=nw)
+                row(f"  sweep MXFP8 bf16 NB={nb} warps={nw}", b_mx, bench(k_mxfp8, 150), copy)
+        ops.MXFP8_BF16.update(NB=128, num_warps=4)
+        ops.BF16_FAST = False
+        row("  generic (non-bf16) NVFP4 kernel on bf16", b_nv, bench(k_nvfp4, 150), copy)
+        row("  generic (non-bf16) MXFP8 kernel on bf16", b_mx, bench(k_mxfp8, 150), copy)
+        ops.BF16_FAST = True
+        for nb, nw in ((32, 2), (64, 4), (128, 4)):
+            ops.DEC.update(NB=nb, num_warps=nw)
+            row(f"  sweep decode NB={nb} warps={nw} (NVFP4)", b_nvd, bench(k_nvfp4_dec, 150), copy)
+            row(f"  sweep decode NB={nb} warps={nw} (MXFP8)", b_mxd, bench(k_mxfp8_dec, 150), copy)
+        ops.DEC.update(NB=64, num_warps=4)
     del enc4, enc8, fc1, fc2, xs
     torch.cuda.empty_cache()
 
@@ -254,7 +259,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
-    print("\nsummary (GB/s; % of copy rate %.0f GB/s)" % copy)
+    print(f"\nsummary (GB/s; % of copy rate {copy:.0f} GB/s)")
     for r in rows:
         print(f"{r['name']:44s} {r['ms']:9.3f} ms {r['GBps']:8.0f} GB/s {r['pct_copy']:6.1f}%")
 
@@ -329,12 +334,31 @@ def layer_bench(E: int) -> dict:
     except Exception as ex:
         print("ExpertEncoder variant unavailable:", ex)
 
-    try:
-        from inkling_ckpt.sync.bench import layer_variants  # the weight-sync API, when present
+    try:  # the weight-sync API: Megatron names in, served HF tensors out, 512 MiB buckets
+        from inkling_ckpt.model.config import InklingConfig
+        from inkling_ckpt.model.precision import PrecisionPlan
+        from inkling_ckpt.model.presets import preset_config
+        from inkling_ckpt.sync import WeightSync
 
-        variants.update(layer_variants(fc1, fc2))
-    except ImportError as ex:
-        print("sync API variant unavailable:", ex)
+        cfg = InklingConfig.from_dict(preset_config("full", layers=2, experts=E))
+        sync = WeightSync(cfg, PrecisionPlan.parse("0:nvfp4,1:mxfp8", 2), scales="fresh", select="experts")
+
+        def via_sync(layer):
+            pre = f"decoder.layers.{layer}.mlp.experts.experts."
+            pairs = [(pre + "linear_fc1.weight", fc1), (pre + "linear_fc2.weight", fc2)]
+
+            def run():
+                n = 0
+                for b in sync.buckets(pairs):
+                    n += len(b)
+                return n
+            return run
+
+        variants["WeightSync_layer_nvfp4_fresh"] = via_sync(0)
+        variants["WeightSync_layer_mxfp8"] = via_sync(1)
+    except Exception as ex:
+        import traceback
+        traceback.print_exc()
 
     for name, fn in variants.items():
         try:

@@ -28,6 +28,30 @@ else:
     DEV = None
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _fused_fma_in_interpreter():
+    """Triton's interpreter computes fma as x*y + z (two roundings); the kernels need a fused one.
+    float64 holds the exact product of two floats, so one rounding to float32 follows (a double
+    rounding could only matter on a float64 tie, which the kernels' exact remainders never make)."""
+    if not INTERPRET or HAS_CUDA:
+        yield
+        return
+    import numpy as np
+    from triton.runtime import interpreter as I
+
+    orig = I.InterpreterBuilder.create_fma
+
+    def fused(self, x, y, z):
+        if x.data.dtype == np.float32:
+            r = (x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)).astype(np.float32)
+            return I.TensorHandle(r, z.dtype.scalar)
+        return orig(self, x, y, z)
+
+    I.InterpreterBuilder.create_fma = fused
+    yield
+    I.InterpreterBuilder.create_fma = orig
+
+
 @pytest.fixture(autouse=True)
 def _need_kernels():
     if DEV is None:
@@ -114,12 +138,21 @@ def _wide_range(rows, cols, dtype=torch.bfloat16, seed=0, outliers=True):
     return x.to(dtype)
 
 
+@pytest.fixture(params=["bf16-kernels", "generic-kernels"])
+def kernels(request, monkeypatch):
+    """Run a test with the BF16 register-resident kernels and with the generic ones."""
+    from inkling_ckpt.formats.gpu import ops
+
+    monkeypatch.setattr(ops, "BF16_FAST", request.param == "bf16-kernels")
+    return request.param
+
+
 # -- random inputs -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name,opts", FORMATS, ids=FMT_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_random_small(name, opts, dtype):
+def test_random_small(name, opts, dtype, kernels):
     for seed in range(3):
         x = _wide_range(48, 512, dtype=dtype if dtype != torch.float16 else torch.float32, seed=seed)
         if dtype == torch.float16:
@@ -130,13 +163,13 @@ def test_random_small(name, opts, dtype):
 @pytest.mark.skipif(not HAS_CUDA, reason="real shapes need a GPU (too slow in the interpreter)")
 @pytest.mark.parametrize("name,opts", FORMATS[:3], ids=FMT_IDS[:3])
 @pytest.mark.parametrize("shape", [(2304, 4608), (4608, 2304)])
-def test_random_real_shapes(name, opts, shape):
+def test_random_real_shapes(name, opts, shape, kernels):
     for seed in range(2):
         _check(name, opts, _wide_range(*shape, seed=seed))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="real shapes need a GPU")
-def test_nvfp4_given_scales_real_shape():
+def test_nvfp4_given_scales_real_shape(kernels):
     x = _wide_range(2304, 4608, seed=7)
     _check("nvfp4", {}, x, weight_scale_2=torch.tensor(0.01), input_scale=0.5)
     _check("nvfp4", {}, x, global_amax=3.0)  # many blocks clamp at 448 and saturate
@@ -153,7 +186,7 @@ def test_shapes():
 # -- NVFP4 edge cases (spec/formats.md) -------------------------------------------------------
 
 
-def test_nvfp4_ties_and_signs():
+def test_nvfp4_ties_and_signs(kernels):
     # weight_scale_2 = 1 and a block amax of 6 give block scale 1.0, so elements are encoded as is
     row = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -5.0, -0.0, 0.0, -0.1, 0.1])
     x = torch.stack([row, row.flip(0)])
@@ -162,7 +195,7 @@ def test_nvfp4_ties_and_signs():
     assert codes.tolist() == [7, 0, 2, 2, 4, 4, 6, 6, 8, 10, 10, 14, 0, 0, 8, 0]
 
 
-def test_nvfp4_saturation_and_scale_clamps():
+def test_nvfp4_saturation_and_scale_clamps(kernels):
     x = torch.zeros(4, 32)
     x[0, :16] = torch.linspace(-1, 1, 16) * 6 * 1.0625  # block scale 1.0625 rounds (ties-even) to 1.0: saturates
     x[1, :16] = 1e-8  # block scale below 2^-9: clamped
@@ -172,7 +205,7 @@ def test_nvfp4_saturation_and_scale_clamps():
     _check("nvfp4", {}, x)  # fresh global scale
 
 
-def test_nvfp4_zero_block_and_zero_tensor():
+def test_nvfp4_zero_block_and_zero_tensor(kernels):
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     got = _check("nvfp4", {}, x)
     assert (_bits(got["weight_scale"]) == 0x38).all()
@@ -180,7 +213,7 @@ def test_nvfp4_zero_block_and_zero_tensor():
     _check("nvfp4", {}, x)
 
 
-def test_nvfp4_subnormal_and_extreme_range():
+def test_nvfp4_subnormal_and_extreme_range(kernels):
     x = torch.zeros(3, 32, dtype=torch.float32)
     x[0, :16] = torch.tensor(1e-40)  # fp32 subnormal input; global amax < 2^-126 -> taken as 1.0
     x[1, :16] = torch.linspace(-1e-38, 1e-38, 16)
@@ -205,7 +238,7 @@ def test_nvfp4_group_shares_scale():
 
 
 @pytest.mark.parametrize("name,opts", FORMATS[1:], ids=FMT_IDS[1:])
-def test_mxfp8_edges(name, opts):
+def test_mxfp8_edges(name, opts, kernels):
     x = torch.zeros(8, 64, dtype=torch.float32)
     x[0, :32] = 448.0 * 2.0 ** torch.arange(-16, 16).float()  # powers of two times 448: no round up
     x[1, :32] = torch.nextafter(torch.tensor(448.0 * 4), torch.tensor(1e9))  # one ulp above
@@ -225,7 +258,7 @@ def test_mxfp8_edges(name, opts):
 
 
 @pytest.mark.parametrize("name,opts", FORMATS, ids=FMT_IDS)
-def test_nonfinite(name, opts):
+def test_nonfinite(name, opts, kernels):
     x = _wide_range(4, 128, seed=3)
     x[1, 5] = float("nan")
     x[2, 100] = float("inf")
@@ -305,3 +338,23 @@ def test_dispatch_reaches_the_kernels(monkeypatch):
     with gpu.kernels_disabled():
         get_format("nvfp4").encode(x)
     assert calls == []
+
+
+def test_nvfp4_exact_ties_at_random_scales(kernels):
+    """Elements exactly on E2M1 rounding ties and grid points, at many block scales (power-of-two
+    global scale, so every x / eff is exact): the case a re-encode of decoded weights hits."""
+    from inkling_ckpt.formats.encodings import E4M3, decode_table
+
+    g = torch.Generator().manual_seed(11)
+    table = decode_table(E4M3)
+    sbf = table[torch.randint(1, 127, (64, 8), generator=g)]  # positive finite block scales
+    s2 = 2.0**-10
+    eff = sbf * s2
+    vals = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 5.5, 0.0, 0.125])
+    q = vals[torch.randint(0, len(vals), (64, 8, 16), generator=g)]
+    q *= torch.where(torch.rand(64, 8, 16, generator=g) < 0.5, -1.0, 1.0)
+    q[..., 0] = 6.0  # fixes each block's scale at exactly sbf
+    x = (q * eff[..., None]).reshape(64, 128)
+    assert torch.equal(x.bfloat16().float(), x)  # all exact in bf16
+    _check("nvfp4", {}, x.bfloat16(), weight_scale_2=s2)
+    _check("nvfp4", {}, x.bfloat16())

@@ -94,8 +94,22 @@ def _reusing(sync, layer: int, fmt: str) -> bool:
     return sync.scales == "keep" and ref is not None and ref.plan.format_of(layer) == fmt
 
 
-def encode_layer(sync, layer: int, fc1: torch.Tensor, fc2: torch.Tensor, first: int) -> list[dict[str, torch.Tensor]] | None:
-    """Per expert ``{hf_name: tensor}`` (served order) for ``fc1``/``fc2`` holding experts first.., or None."""
+def _names(sync, layer: int, first: int, n: int, fmt: str) -> list[list[str]]:
+    """Served names of each expert's parts, in checkpoint order (cached: the same every sync)."""
+    key = ("names", layer, first, n, fmt)
+    hit = sync._batched_cache.get(key)
+    if hit is None:
+        parts = ("weight", "weight_scale", "weight_scale_2", "input_scale") if fmt == "nvfp4" else ("weight", "weight_scale")
+        hit = [[f"{expert_module(layer, first + j, p)}.{part}" for p in EXPERT_PROJS for part in parts] for j in range(n)]
+        sync._batched_cache[key] = hit
+    return hit
+
+
+def encode_layer(sync, layer: int, fc1: torch.Tensor, fc2: torch.Tensor, first: int):
+    """``(names, per-expert tensor lists)`` for ``fc1``/``fc2`` holding experts ``first..``, or None.
+
+    Each expert's list is in the served order (gate, up, down; each part in checkpoint order);
+    the tensors are views into a few per-layer output buffers."""
     ops = gpu._load()
     fmt = sync.plan.format_of(layer)
     n, two_i, h = fc1.shape
@@ -103,8 +117,8 @@ def encode_layer(sync, layer: int, fc1: torch.Tensor, fc2: torch.Tensor, first: 
     x1 = fc1.contiguous().view(2 * n, i * h)  # groups: expert j gate (2j), up (2j + 1)
     x2 = fc2.contiguous().view(n, h * i)
     allow = sync.allow_nonfinite
-    mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
-    out: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    names = _names(sync, layer, first, n, fmt)
+    mods = None
     if fmt == "nvfp4":
         ws2, isc = _nvfp4_scales(sync, layer, first, n, fc1.device)
         if sync.scales == "keep":
@@ -124,44 +138,30 @@ def encode_layer(sync, layer: int, fc1: torch.Tensor, fc2: torch.Tensor, first: 
         if not allow and bool(torch.stack([f.amax() for f in flags + [f1, f2]]).amax() > 0):
             return None
         if _reusing(sync, layer, fmt):
+            mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
             (w1, sc1), (w2, sc2) = _reuse_unchanged(sync, layer, fmt, mods, [x1, x2], [(w1, sc1), (w2, sc2)], [s1, s2])
-        w1 = w1.view(n, 2, i, h // 2)
-        sc1 = sc1.view(n, 2, i, h // 16)
-        w2 = w2.view(n, h, i // 2)
-        sc2 = sc2.view(n, h, i // 16)
-        s1 = s1.view(n, 2)
-        for j in range(n):
-            g, u, d = mods[j]
-            o = out[j]
-            for k, m in ((0, g), (1, u)):
-                o[f"{m}.weight"] = w1[j, k]
-                o[f"{m}.weight_scale"] = sc1[j, k]
-                o[f"{m}.weight_scale_2"] = s1[j, k]
-                o[f"{m}.input_scale"] = isc[j, k]
-            o[f"{d}.weight"] = w2[j]
-            o[f"{d}.weight_scale"] = sc2[j]
-            o[f"{d}.weight_scale_2"] = s2[j]
-            o[f"{d}.input_scale"] = isc[j, 2]
-        return out
+        w1u = w1.view(2 * n, i, h // 2).unbind(0)
+        sc1u = sc1.view(2 * n, i, h // 16).unbind(0)
+        s1u = s1.unbind(0)
+        w2u = w2.view(n, h, i // 2).unbind(0)
+        sc2u = sc2.view(n, h, i // 16).unbind(0)
+        s2u = s2.unbind(0)
+        iu = isc.reshape(-1).unbind(0)
+        return names, [[w1u[2 * j], sc1u[2 * j], s1u[2 * j], iu[3 * j],
+                         w1u[2 * j + 1], sc1u[2 * j + 1], s1u[2 * j + 1], iu[3 * j + 1],
+                         w2u[j], sc2u[j], s2u[j], iu[3 * j + 2]] for j in range(n)]
     if fmt == "mxfp8":
         q1, sc1, f1 = ops.mxfp8_encode(x1.view(1, -1))
         q2, sc2, f2 = ops.mxfp8_encode(x2.view(1, -1))
         if not allow and bool(torch.maximum(f1, f2)[0] > 0):
             return None
         if _reusing(sync, layer, fmt):
+            mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
             (q1, sc1), (q2, sc2) = _reuse_unchanged(sync, layer, fmt, mods, [x1, x2],
                                                     [(q1.view(2 * n, -1), sc1.view(2 * n, -1)), (q2.view(n, -1), sc2.view(n, -1))], None)
-        q1 = q1.view(n, 2, i, h)
-        sc1 = sc1.view(n, 2, i, h // 32)
-        q2 = q2.view(n, h, i)
-        sc2 = sc2.view(n, h, i // 32)
-        for j in range(n):
-            g, u, d = mods[j]
-            o = out[j]
-            for k, m in ((0, g), (1, u)):
-                o[f"{m}.weight"] = q1[j, k]
-                o[f"{m}.weight_scale"] = sc1[j, k]
-            o[f"{d}.weight"] = q2[j]
-            o[f"{d}.weight_scale"] = sc2[j]
-        return out
+        q1u = q1.view(2 * n, i, h).unbind(0)
+        sc1u = sc1.view(2 * n, i, h // 32).unbind(0)
+        q2u = q2.view(n, h, i).unbind(0)
+        sc2u = sc2.view(n, h, i // 32).unbind(0)
+        return names, [[q1u[2 * j], sc1u[2 * j], q1u[2 * j + 1], sc1u[2 * j + 1], q2u[j], sc2u[j]] for j in range(n)]
     return None

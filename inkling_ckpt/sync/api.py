@@ -28,10 +28,13 @@ class LoadGroup:
 
     tensors: list[tuple[str, torch.Tensor]]
     what: str  # e.g. "layer 3 expert 5" or the Megatron key
+    _nbytes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+        if self._nbytes is None:
+            self._nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors)
+        return self._nbytes
 
 
 @dataclass
@@ -39,15 +42,16 @@ class Bucket:
     """Whole load groups, at most ``bucket_bytes`` unless one group alone is larger."""
 
     groups: list[LoadGroup] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, group: LoadGroup) -> None:
+        self.groups.append(group)
+        self.nbytes += group.nbytes
 
     @property
     def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """What ``update_weights_from_tensor`` takes."""
         return [nt for g in self.groups for nt in g.tensors]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.groups)
 
     def __iter__(self):
         return iter(self.named_tensors)
@@ -177,7 +181,7 @@ class WeightSync:
             if cur.groups and cur.nbytes + g.nbytes > self.bucket_bytes:
                 yield cur
                 cur = Bucket()
-            cur.groups.append(g)
+            cur.add(g)
         if cur.groups:
             yield cur
 
@@ -205,10 +209,15 @@ class WeightSync:
         from ._batched import batched_ok, encode_layer
 
         if self.use_kernels and fmt != "bf16" and batched_ok(fc1, fc2):
-            parts = encode_layer(self, layer, fc1, fc2, off1)
-            if parts is not None:
+            res = encode_layer(self, layer, fc1, fc2, off1)
+            if res is not None:
+                names, tensors = res
+                # every expert's parts are views of the same per-layer buffers: check one expert's
+                # names, dtypes and shapes, and size the groups once
+                first = [(k, self._checked(k, v)) for k, v in zip(names[0], tensors[0])]
+                nbytes = sum(v.numel() * v.element_size() for _, v in first)
                 for j in range(n):
-                    yield LoadGroup([(k, self._checked(k, v)) for k, v in parts[j].items()], f"layer {layer} expert {off1 + j}")
+                    yield LoadGroup(list(zip(names[j], tensors[j])), f"layer {layer} expert {off1 + j}", nbytes)
                 return
         keys = {fc: k for k, (li, fc) in self._stacked.items() if li == layer}
         logical = {**self.mapping.experts_to_hf(keys["fc1"], fc1, off1),

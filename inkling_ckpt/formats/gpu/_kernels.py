@@ -258,3 +258,187 @@ def mxfp8_decode_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, N, NB: tl.co
     byte = tl.load(q_ptr + offs, mask=bmask[:, None], other=0).to(tl.int32)
     vals = tl.load(elem_ptr + byte)
     _store_out(out_ptr, offs, vals * s[:, None], bmask[:, None], OUT_KIND)
+
+
+# ----------------------------------------------------------------------------------------
+# BF16 fast paths. A block is read as [NB, 4] int32 words (each word = two bf16 elements,
+# the even one in the low half), in pieces of four words: every thread then holds whole
+# blocks, so the block reductions and the nibble/byte packing stay in registers (no shuffles,
+# no shared memory). Same arithmetic as the generic kernels above, with two cheaper steps:
+#
+# * the per-element IEEE division x / eff is done as Markstein's correction of x * RN(1/eff)
+#   (two FMA refinements; RN(1/eff) by div_rn once per block): correctly rounded whenever no
+#   intermediate leaves the normal range, which a per-block power-of-two rescaling of x and
+#   eff guarantees wherever the quotient is near a rounding threshold;
+# * E2M1 rounding from the float bits (magic-number add below 1, one-mantissa-bit RNE above).
+
+
+@triton.jit
+def _e2m1_code(q):
+    """E2M1 magnitude code (int32 0..7) of |q| rounded to nearest-even, saturating (NaN -> 7)."""
+    a = tl.abs(q)
+    a = tl.where(a < 6.0, a, 6.0)
+    lo = (a + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000  # halves below 1, ties to even
+    b = a.to(tl.int32, bitcast=True)
+    # one mantissa bit, RNE: (bits + 0x1FFFFF + lsb) >> 22, minus 252 folded in (252 << 22)
+    hi = (b + ((b >> 22) & 1) + (0x1FFFFF - 0x3F000000)) >> 22
+    return tl.where(a < 1.0, lo, hi)
+
+
+@triton.jit
+def _div_markstein(x, b, y):
+    """RN(x / b) given y = RN(1 / b), for b and the quotient's neighbourhood in the normal range."""
+    q = x * y
+    r = tl.fma(-b, q, x)
+    q = tl.fma(r, y, q)  # faithful
+    r = tl.fma(-b, q, x)  # exact remainder
+    return tl.fma(r, y, q)  # correctly rounded (Markstein)
+
+
+@triton.jit
+def _nv_word_byte(w, scale, eff, y):
+    """One int32 word (two bf16) -> one NVFP4 byte (low nibble = even element).
+
+    ``scale`` = 2^k, ``eff`` and ``y`` are the block's (scaled) divisor and RN(1/eff): x*2^k /
+    (eff*2^k) is the same real quotient, and keeps Markstein's intermediates normal."""
+    e0 = (w << 16).to(tl.float32, bitcast=True)
+    e1 = (w & -65536).to(tl.float32, bitcast=True)
+    q0 = _div_markstein(e0 * scale, eff, y)
+    q1 = _div_markstein(e1 * scale, eff, y)
+    c0 = _e2m1_code(q0) | tl.where(e0 < 0.0, 8, 0)
+    c1 = _e2m1_code(q1) | tl.where(e1 < 0.0, 8, 0)
+    return c0 | (c1 << 4)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _absbits_max(w):
+    """Per row: max over the row's words of |element| float bits (both halves), int32."""
+    lo = (w << 16) & 0x7FFFFFFF
+    hi = w & 0x7FFF0000
+    return tl.max(tl.maximum(lo, hi), axis=1)
+
+
+@triton.jit
+def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr):
+    """NVFP4 encode of bf16 data seen as int32 words. x: [G, NW] int32 (NW = N/2); w: [G, NW/8]
+    int64 (8 packed bytes per block); sc: uint8 [G, NW/8]; s2: float32 [G]; bad: int32 [1]."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    nblk = NW // 8
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < nblk
+    row = g.to(tl.int64) * nblk + blk  # global block index: offsets below are provably multiples of 8 words
+    base = row[:, None] * 8 + tl.arange(0, 4)[None, :]
+    wa = tl.load(x_ptr + base, mask=bmask[:, None], other=0)
+    wb = tl.load(x_ptr + base + 4, mask=bmask[:, None], other=0)
+    s2 = tl.load(s2_ptr + g)
+
+    mbits = tl.maximum(_absbits_max(wa), _absbits_max(wb))
+    badblk = mbits >= 0x7F800000  # NaN or Inf in the block
+    bamax = mbits.to(tl.float32, bitcast=True)
+    six_s2 = s2 * 6.0
+    sb = tl.math.div_rn(bamax, six_s2)
+    sb = tl.where(sb == 0.0, 1.0, sb)
+    sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
+    sbyte = _f8_rne_byte(sb, 3, 7, 512.0, 0.015625)
+    eff = _e4m3_value(sbyte) * s2
+    # Scale the block's divisor (and every x) by 2^k, k from eff's exponent clamped to
+    # [-126, 126], so that eff*2^k is normal and near 1: exact for x (a power of two; results
+    # that overflow or underflow are far from any rounding threshold and keep their code).
+    ebits = (eff.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = (tl.minimum(tl.maximum(254 - ebits, 1), 253) << 23).to(tl.float32, bitcast=True)
+    effs = eff * scale
+    y = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), effs)
+    shift = tl.arange(0, 4)[None, :] * 8
+    ba = _nv_word_byte(wa, scale[:, None], effs[:, None], y[:, None])
+    bb = _nv_word_byte(wb, scale[:, None], effs[:, None], y[:, None])
+    lo = tl.reduce((ba & 0xFF) << shift, 1, _or).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.reduce((bb & 0xFF) << shift, 1, _or).to(tl.int64) << 32
+    packed = tl.where(badblk, 0, lo | hi)
+    sbyte = tl.where(badblk, 0x7F, sbyte)
+    tl.store(w_ptr + row, packed, mask=bmask)
+    tl.store(sc_ptr + row, sbyte.to(tl.uint8), mask=bmask)
+    # per-block atomics, issued only for bad blocks (no program-wide reduction, no barrier)
+    tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=badblk & bmask)
+
+
+@triton.jit
+def _mx_word(w, inv, MBITS: tl.constexpr, BIAS: tl.constexpr, SUB_SCALE: tl.constexpr, MIN_NORMAL: tl.constexpr,
+             ELEM_MAX: tl.constexpr, HW_CVT: tl.constexpr, E5M2: tl.constexpr):
+    """One int32 word (two bf16) -> two FP8 bytes (even element in the low byte), int32."""
+    e0 = (w << 16).to(tl.float32, bitcast=True) * inv
+    e1 = (w & -65536).to(tl.float32, bitcast=True) * inv
+    if HW_CVT:
+        # cvt.rn.satfinite: RNE, and beyond the largest finite value it gives that value,
+        # which is what the reference's clamp-then-cast does
+        if E5M2:
+            c0 = e0.to(tl.float8e5).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+            c1 = e1.to(tl.float8e5).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+        else:
+            c0 = e0.to(tl.float8e4nv).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+            c1 = e1.to(tl.float8e4nv).to(tl.int8, bitcast=True).to(tl.int32) & 0xFF
+    else:
+        e0 = tl.minimum(tl.maximum(e0, -ELEM_MAX), ELEM_MAX)
+        e1 = tl.minimum(tl.maximum(e1, -ELEM_MAX), ELEM_MAX)
+        c0 = _f8_rne_byte(e0, MBITS, BIAS, SUB_SCALE, MIN_NORMAL) | ((e0.to(tl.int32, bitcast=True) >> 24) & 0x80)
+        c1 = _f8_rne_byte(e1, MBITS, BIAS, SUB_SCALE, MIN_NORMAL) | ((e1.to(tl.int32, bitcast=True) >> 24) & 0x80)
+    return c0 | (c1 << 8)
+
+
+@triton.jit
+def _mx_piece(q_ptr, qoffs, w, inv, bad, bmask, MBITS: tl.constexpr, BIAS: tl.constexpr, SUB_SCALE: tl.constexpr,
+              MIN_NORMAL: tl.constexpr, ELEM_MAX: tl.constexpr, HW_CVT: tl.constexpr, E5M2: tl.constexpr):
+    """Encode and store one piece (4 words = 8 elements) of each block as one int64."""
+    c = _mx_word(w, inv[:, None], MBITS, BIAS, SUB_SCALE, MIN_NORMAL, ELEM_MAX, HW_CVT, E5M2).to(tl.int64) & 0xFFFF
+    shift = tl.arange(0, 4)[None, :].to(tl.int64) * 16
+    v = tl.reduce(c << shift, 1, _or)
+    v = tl.where(bad, 0x7F7F7F7F7F7F7F7F, v)
+    tl.store(q_ptr + qoffs, v, mask=bmask)
+
+
+@triton.jit
+def mxfp8_encode_bf16_kernel(x_ptr, q_ptr, sc_ptr, bad_ptr, NW, ELEM_MAX: tl.constexpr, EMAX: tl.constexpr,
+                             MBITS: tl.constexpr, BIAS: tl.constexpr, SUB_SCALE: tl.constexpr,
+                             MIN_NORMAL: tl.constexpr, RCEIL: tl.constexpr, NB: tl.constexpr,
+                             HW_CVT: tl.constexpr, E5M2: tl.constexpr):
+    """MXFP8 encode of bf16 data seen as int32 words: x [G, NW]; q: int64 [G, NW/4] (4 per block);
+    sc: uint8 [G, NW/16]."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    nblk = NW // 16
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < nblk
+    row = g.to(tl.int64) * nblk + blk
+    base = row[:, None] * 16 + tl.arange(0, 4)[None, :]
+    m2 = bmask[:, None]
+    w0 = tl.load(x_ptr + base, mask=m2, other=0)
+    w1 = tl.load(x_ptr + base + 4, mask=m2, other=0)
+    w2 = tl.load(x_ptr + base + 8, mask=m2, other=0)
+    w3 = tl.load(x_ptr + base + 12, mask=m2, other=0)
+    mbits = tl.maximum(tl.maximum(_absbits_max(w0), _absbits_max(w1)), tl.maximum(_absbits_max(w2), _absbits_max(w3)))
+    bad = mbits >= 0x7F800000
+    bamax = mbits.to(tl.float32, bitcast=True)
+    if RCEIL:
+        q = tl.math.div_rn(bamax, ELEM_MAX)
+        qb = q.to(tl.int32, bitcast=True)
+        expo = qb >> 23
+        mant = qb & 0x7FFFFF
+        thr = tl.where(expo == 0, 0x400000, 0)
+        biased = expo + (mant > thr).to(tl.int32)
+    else:
+        biased = (mbits >> 23) - EMAX
+    biased = tl.minimum(tl.maximum(biased, 0), 254)
+    inv = tl.where(biased == 254, 0x400000, (254 - biased) << 23).to(tl.float32, bitcast=True)
+    qbase = row * 4
+    _mx_piece(q_ptr, qbase, w0, inv, bad, bmask, MBITS, BIAS, SUB_SCALE, MIN_NORMAL, ELEM_MAX, HW_CVT, E5M2)
+    _mx_piece(q_ptr, qbase + 1, w1, inv, bad, bmask, MBITS, BIAS, SUB_SCALE, MIN_NORMAL, ELEM_MAX, HW_CVT, E5M2)
+    _mx_piece(q_ptr, qbase + 2, w2, inv, bad, bmask, MBITS, BIAS, SUB_SCALE, MIN_NORMAL, ELEM_MAX, HW_CVT, E5M2)
+    _mx_piece(q_ptr, qbase + 3, w3, inv, bad, bmask, MBITS, BIAS, SUB_SCALE, MIN_NORMAL, ELEM_MAX, HW_CVT, E5M2)
+    biased = tl.where(bad, 0xFF, biased)
+    tl.store(sc_ptr + row, biased.to(tl.uint8), mask=bmask)
+    tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bad & bmask)

@@ -8,6 +8,8 @@ with the host: non-finite input is reported through the returned ``bad`` flag te
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -17,10 +19,17 @@ from . import _kernels as K
 #: Tile sizes (blocks per program) and warps; module globals so the bench can try others.
 NVFP4_ENC = {"NB": 128, "num_warps": 4}
 MXFP8_ENC = {"NB": 64, "num_warps": 4}
-DEC = {"NB": 64, "num_warps": 4}
+DEC = {"NB": 128, "num_warps": 4}
 AMAX = {"CHUNK": 16384, "TILE": 2048, "num_warps": 8}
 
 _MAX_GRID_Y = 65535
+
+#: BF16 inputs take the register-resident kernels (``*_bf16_kernel``); False forces the generic
+#: ones (tests run both). Hardware FP8 casts are used except in Triton's interpreter.
+BF16_FAST = True
+NVFP4_BF16 = {"NB": 256, "num_warps": 4}
+MXFP8_BF16 = {"NB": 128, "num_warps": 4}
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 _ELEM = {  # element: (encoding, MBITS, BIAS, SUB_SCALE = 2^(BIAS-1+MBITS), MIN_NORMAL = 2^(1-BIAS))
     "e4m3": (E4M3, 3, 7, 2.0**9, 2.0**-6),
@@ -91,7 +100,15 @@ def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch
     w = torch.empty((g, n // 2), dtype=torch.uint8, device=x.device)
     sc = torch.empty((g, n // 16), dtype=torch.uint8, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if n:
+    if n and x.dtype == torch.bfloat16 and BF16_FAST:
+        xw = x.view(torch.int32)
+        w64 = w.view(torch.int64)
+        nb = NVFP4_BF16["NB"]
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 16, nb), g1 - g0)
+            K.nvfp4_encode_bf16_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
+                                             num_warps=NVFP4_BF16["num_warps"])
+    elif n:
         nb = NVFP4_ENC["NB"]
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 16, nb), g1 - g0)
@@ -109,7 +126,18 @@ def mxfp8_encode(x: torch.Tensor, scale_mode: str = "rceil", element: str = "e4m
     q = torch.empty((g, n), dtype=torch.uint8, device=x.device)
     sc = torch.empty((g, n // 32), dtype=torch.uint8, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if n:
+    if n and x.dtype == torch.bfloat16 and BF16_FAST:
+        xw = x.view(torch.int32)
+        q64 = q.view(torch.int64)
+        nb = MXFP8_BF16["NB"]
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 32, nb), g1 - g0)
+            K.mxfp8_encode_bf16_kernel[grid](xw[g0:g1], q64[g0:g1], sc[g0:g1], bad, n // 2, ELEM_MAX=float(enc.max),
+                                             EMAX=emax, MBITS=mbits, BIAS=bias, SUB_SCALE=sub_scale,
+                                             MIN_NORMAL=min_normal, RCEIL=scale_mode == "rceil", NB=nb,
+                                             HW_CVT=not _INTERPRETING, E5M2=element == "e5m2",
+                                             num_warps=MXFP8_BF16["num_warps"])
+    elif n:
         nb = MXFP8_ENC["NB"]
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 32, nb), g1 - g0)
