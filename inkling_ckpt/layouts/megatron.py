@@ -36,7 +36,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -236,7 +237,7 @@ class _UnitWriter(FileSystemWriter):
         # Objects first, then tensors, each a torch.save blob at a recorded offset.
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + \
                   [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-        with open(partial, "wb") as f:
+        with open(partial, "wb") as f, _no_crc32():
             for wi in ordered:
                 data = planner.resolve_data(wi)
                 start = f.tell()
@@ -260,6 +261,22 @@ class _UnitWriter(FileSystemWriter):
              r.storage_data.offset, r.storage_data.length] for r in results]}))
         os.replace(tmp, sidecar)
         return results
+
+
+@contextmanager
+def _no_crc32() -> Iterator[None]:
+    """``torch.save`` without zip CRC32s: computing them costs more than writing the bytes.
+
+    Every ``torch.load`` can read the result: PyTorch builds its zip reader with
+    ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS`` (and documents that loading works,
+    ``torch.serialization.set_crc32_options``); only a generic unzip would complain.
+    """
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def _read_sidecar(path: Path, name: str, items: list[WriteItem]) -> list[WriteResult] | None:

@@ -226,8 +226,20 @@ class StackedExperts(Rule):
     def build(self, cfg: InklingConfig, idx: Index, get_hf: GetHF, offsets: Sequence[int], sizes: Sequence[int],
               vocab_rows: int) -> torch.Tensor:
         first, count = offsets[0], sizes[0]
-        parts = [self.combine_one([get_hf(n) for n in self.expert_names(idx, e)]) for e in range(first, first + count)]
-        return torch.stack(parts, 0)
+        out: torch.Tensor | None = None
+        for j, e in enumerate(range(first, first + count)):
+            row = 0
+            for name in self.expert_names(idx, e):  # copied straight into place: one copy per weight
+                w = get_hf(name)
+                if out is None:
+                    out = w.new_empty((count, len(self.hf) * w.shape[0], w.shape[1]))
+                if w.dim() != 2 or row + w.shape[0] > out.shape[1] or w.shape[1] != out.shape[2] or w.dtype != out.dtype:
+                    raise CheckpointError(f"{name}: {w.dtype} {list(w.shape)} does not fit {self.megatron.format(**idx)}")
+                out[j, row:row + w.shape[0]] = w
+                row += w.shape[0]
+        if out is None:
+            raise CheckpointError(f"{self.megatron.format(**idx)}: empty expert range at {first}")
+        return out
 
     def combine_one(self, hf: Sequence[torch.Tensor]) -> torch.Tensor:
         return hf[0] if len(hf) == 1 else torch.cat(list(hf), 0)
