@@ -515,6 +515,19 @@ class TorchDistCheckpoint:
         if not isinstance(common, dict):
             raise CheckpointError(f"{folder / COMMON}: expected a dict, got {type(common).__name__}")
         ckpt.common = common
+        for st in ckpt.keys.values():  # stored chunks tile the tensor: inside it, volumes adding up
+            total, got = 1, 0
+            for n in st.shape:
+                total *= n
+            for off, size in st.chunks:
+                if len(off) != len(st.shape) or any(o < 0 or o + z > g for o, z, g in zip(off, size, st.shape)):
+                    raise CheckpointError(f"{folder}: .metadata: a chunk of {st.key} at {list(off)} lies outside {list(st.shape)}")
+                v = 1
+                for z in size:
+                    v *= z
+                got += v
+            if got != total:
+                raise CheckpointError(f"{folder}: .metadata: the chunks of {st.key} do not cover it exactly")
         for rel in sorted({si.relative_path for si in metadata.storage_data.values()}):
             p = folder / rel
             if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.is_file():

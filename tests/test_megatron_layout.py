@@ -1,0 +1,91 @@
+"""The torch_dist layout on its own: chunks of any shape, the reader's safety rules."""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from inkling_ckpt.errors import CheckpointError
+from inkling_ckpt.layouts.megatron import (
+    ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir, read_dcp_metadata,
+    write_dcp,
+)
+
+
+def _write(folder: Path, tensors: dict[str, torch.Tensor], splits: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]) -> None:
+    chunks = []
+    for unit, (key, t) in enumerate(tensors.items()):
+        for off, size in splits.get(key, [((0,) * t.dim(), tuple(t.shape))]):
+            chunks.append(ChunkItem(key, off, size, tuple(t.shape), t.dtype, unit))
+    objects = [ObjectItem("a.linear_qkv._extra_state/shard_0_1", 0, empty_extra_state())]
+
+    def produce(c: ChunkItem) -> torch.Tensor:
+        region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+        return tensors[c.key][region].clone()
+
+    write_dcp(folder, chunks, objects, produce)
+    finish_iteration_dir(folder, common_state())
+
+
+def test_reader_assembles_any_chunking(tmp_path):
+    """Megatron saves with TP/EP split tensors into many chunks; reads must assemble any region."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    e = torch.randn(4, 6, 5, generator=g).to(torch.bfloat16)
+    splits = {
+        "a": [((0, 0), (3, 4)), ((0, 4), (3, 4)), ((3, 0), (3, 8))],  # TP-like rectangles
+        "e": [((i, r, 0), (1, 3, 5)) for i in range(4) for r in (0, 3)],  # per expert, gate/up halves
+    }
+    _write(tmp_path, {"a": a, "e": e}, splits)
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    assert torch.equal(ckpt.read("a"), a)
+    assert torch.equal(ckpt.read("a", (2, 3), (3, 4)), a[2:5, 3:7])
+    assert torch.equal(ckpt.read("e", (2, 0, 0), (1, 6, 5)), e[2:3])
+    assert torch.equal(ckpt.read("e"), e)
+    assert ckpt.read_object("a.linear_qkv._extra_state/shard_0_1")[0].numel() == 0
+    assert ckpt.common["content_metadata"] == {"non_homogeneous_layers": True}
+    with pytest.raises(CheckpointError, match="outside"):
+        ckpt.read("a", (4, 0), (3, 8))
+
+
+def test_metadata_with_legacy_megatron_classes_loads_without_megatron(tmp_path):
+    """Old mcore pickled its own Metadata subclass into .metadata; those become stand-ins."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    _write(tmp_path, {"a": torch.zeros(2, 2, dtype=torch.bfloat16)}, {})
+    md = read_dcp_metadata(tmp_path / ".metadata")
+    mod = types.ModuleType("megatron.core.dist_checkpointing.strategies.torch")
+
+    class MCoreMetadata(Metadata):
+        pass
+
+    class MCoreSavePlan:
+        pass
+
+    for cls in (MCoreMetadata, MCoreSavePlan):
+        cls.__module__, cls.__qualname__ = mod.__name__, cls.__name__
+    mod.MCoreMetadata, mod.MCoreSavePlan = MCoreMetadata, MCoreSavePlan
+    sys.modules[mod.__name__] = mod
+    try:
+        legacy = MCoreMetadata(state_dict_metadata=md.state_dict_metadata, storage_data=md.storage_data)
+        legacy.mcore_data = {"x": MCoreSavePlan()}
+        blob = pickle.dumps(legacy)
+    finally:
+        del sys.modules[mod.__name__]
+    (tmp_path / ".metadata").write_bytes(blob)
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    assert torch.equal(ckpt.read("a"), torch.zeros(2, 2, dtype=torch.bfloat16))
+
+
+def test_metadata_chunks_must_tile_the_tensor(tmp_path):
+    _write(tmp_path, {"a": torch.zeros(4, 2, dtype=torch.bfloat16)}, {"a": [((0, 0), (2, 2)), ((2, 0), (2, 2))]})
+    md = read_dcp_metadata(tmp_path / ".metadata")
+    md.state_dict_metadata["a"].chunks.pop()
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="do not cover"):
+        TorchDistCheckpoint.open(tmp_path)
