@@ -244,11 +244,11 @@ def main():
         row("  generic (non-bf16) NVFP4 kernel on bf16", b_nv, bench(k_nvfp4, 150), copy)
         row("  generic (non-bf16) MXFP8 kernel on bf16", b_mx, bench(k_mxfp8, 150), copy)
         ops.BF16_FAST = True
-        for nb, nw in ((32, 2), (64, 4), (128, 4)):
+        for nb, nw in ((128, 4), (256, 4), (256, 8)):
             ops.DEC.update(NB=nb, num_warps=nw)
             row(f"  sweep decode NB={nb} warps={nw} (NVFP4)", b_nvd, bench(k_nvfp4_dec, 150), copy)
             row(f"  sweep decode NB={nb} warps={nw} (MXFP8)", b_mxd, bench(k_mxfp8_dec, 150), copy)
-        ops.DEC.update(NB=64, num_warps=4)
+        ops.DEC.update(NB=128, num_warps=4)
     del enc4, enc8, fc1, fc2, xs
     torch.cuda.empty_cache()
 

@@ -209,3 +209,22 @@ def test_gpu_layer_batches_match_per_expert(served, megatron_tensors, scales):
         assert tensor_sha256(got[n]) == tensor_sha256(ref[n]), n
     if scales == "keep":
         assert verify(got.items(), served, expected=batched.expected_names()).ok
+
+
+@pytest.mark.gpu
+def test_gpu_nonfinite_falls_back_and_raises(served, megatron_tensors):
+    if not (torch.cuda.is_available() or _INTERP):
+        pytest.skip("needs a CUDA device (or Triton's interpreter)")
+    pytest.importorskip("triton")
+    from inkling_ckpt.errors import NonFiniteError
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    key = "decoder.layers.0.mlp.experts.experts.linear_fc1.weight"
+    pairs = [(k, t.clone().to(dev)) for k, t in megatron_tensors if ".layers.0.mlp.experts." in k]
+    dict(pairs)[key][3, 5, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match="experts.3.gate_proj"):
+        _emit(WeightSync.from_checkpoint(served, scales="fresh"), pairs)
+    got = dict(_emit(WeightSync.from_checkpoint(served, scales="fresh", allow_nonfinite=True), pairs))
+    ref = dict(_emit(WeightSync.from_checkpoint(served, scales="fresh", allow_nonfinite=True, use_kernels=False),
+                     [(k, t.cpu()) for k, t in pairs]))
+    assert all(tensor_sha256(got[n]) == tensor_sha256(ref[n]) for n in ref)

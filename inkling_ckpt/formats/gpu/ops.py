@@ -19,7 +19,7 @@ from . import _kernels as K
 #: Tile sizes (blocks per program) and warps; module globals so the bench can try others.
 NVFP4_ENC = {"NB": 128, "num_warps": 4}
 MXFP8_ENC = {"NB": 64, "num_warps": 4}
-DEC = {"NB": 128, "num_warps": 4}
+DEC = {"NB": 256, "num_warps": 4}
 AMAX = {"CHUNK": 16384, "TILE": 2048, "num_warps": 8}
 
 _MAX_GRID_Y = 65535
@@ -27,7 +27,7 @@ _MAX_GRID_Y = 65535
 #: BF16 inputs take the register-resident kernels (``*_bf16_kernel``); False forces the generic
 #: ones (tests run both). Hardware FP8 casts are used except in Triton's interpreter.
 BF16_FAST = True
-NVFP4_BF16 = {"NB": 256, "num_warps": 4}
+NVFP4_BF16 = {"NB": 256, "num_warps": 8}
 MXFP8_BF16 = {"NB": 128, "num_warps": 4}
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
