@@ -358,3 +358,16 @@ def test_nvfp4_exact_ties_at_random_scales(kernels):
     assert torch.equal(x.bfloat16().float(), x)  # all exact in bf16
     _check("nvfp4", {}, x.bfloat16(), weight_scale_2=s2)
     _check("nvfp4", {}, x.bfloat16())
+
+
+def test_odd_offset_views(kernels):
+    """A bf16 view starting at an odd element cannot be read as int32 words: generic kernels."""
+    base = _wide_range(9, 64, seed=4).reshape(-1)
+    x = base[64 - 16:64 - 16 + 8 * 64 + 16][16 - 15:][:8 * 64].view(8, 64)  # odd storage offset
+    assert x.storage_offset() % 2 == 1
+    for name in ("nvfp4", "mxfp8"):
+        fmt = get_format(name)
+        xd = base.to(DEV)[x.storage_offset():x.storage_offset() + 8 * 64].view(8, 64)
+        assert xd.storage_offset() % 2 == 1
+        got = fmt.encode(xd)
+        _assert_same_parts(got, _ref_encode(fmt, x), name)

@@ -449,3 +449,25 @@ def mxfp8_encode_bf16_kernel(x_ptr, q_ptr, sc_ptr, bad_ptr, NW, ELEM_MAX: tl.con
     biased = tl.where(bad, 0xFF, biased)
     tl.store(sc_ptr + row, biased.to(tl.uint8), mask=bmask)
     tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bad & bmask)
+
+
+@triton.jit
+def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TILE: tl.constexpr):
+    """group_amax_kernel for bf16 data seen as int32 words (two elements each): integer max of
+    the |element| bits, finite elements only, and a non-finite flag; x: [G, NW]."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    base = g.to(tl.int64) * NW
+    start = pid.to(tl.int64) * CHUNK
+    acc = tl.zeros([TILE], dtype=tl.int32)
+    raw = tl.zeros([TILE], dtype=tl.int32)
+    for i in range(0, CHUNK, TILE):
+        offs = start + i + tl.arange(0, TILE)
+        w = tl.load(x_ptr + base + offs, mask=offs < NW, other=0)
+        lo = (w << 16) & 0x7FFFFFFF
+        hi = w & 0x7FFF0000
+        raw = tl.maximum(raw, tl.maximum(lo, hi))
+        acc = tl.maximum(acc, tl.maximum(tl.where(lo < 0x7F800000, lo, 0), tl.where(hi < 0x7F800000, hi, 0)))
+    tl.atomic_max(amax_ptr + g, tl.max(acc, axis=0))
+    anybad = (tl.max(raw, axis=0) >= 0x7F800000).to(tl.int32)
+    tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)

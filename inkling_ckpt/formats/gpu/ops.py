@@ -59,6 +59,11 @@ def _out(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+def _bf16_words(x: torch.Tensor) -> bool:
+    """Can the BF16 kernels read x as int32 words (bf16, even element offset)?"""
+    return BF16_FAST and x.dtype == torch.bfloat16 and x.storage_offset() % 2 == 0
+
+
 def _group_slices(g: int):
     for g0 in range(0, g, _MAX_GRID_Y):
         yield g0, min(g, g0 + _MAX_GRID_Y)
@@ -70,7 +75,14 @@ def group_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g, n = _groups(x, 1)
     bits = torch.zeros(g, dtype=torch.int32, device=x.device)
     bad = torch.zeros(g, dtype=torch.int32, device=x.device)
-    if n:
+    if n and _bf16_words(x):
+        c = AMAX
+        xw = x.view(torch.int32)
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(n // 2, c["CHUNK"] // 2), g1 - g0)
+            K.group_amax_bf16_kernel[grid](xw[g0:g1], bits[g0:g1], bad[g0:g1], n // 2, CHUNK=c["CHUNK"] // 2,
+                                           TILE=c["TILE"] // 2, num_warps=c["num_warps"])
+    elif n:
         c = AMAX
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n, c["CHUNK"]), g1 - g0)
@@ -100,7 +112,7 @@ def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch
     w = torch.empty((g, n // 2), dtype=torch.uint8, device=x.device)
     sc = torch.empty((g, n // 16), dtype=torch.uint8, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if n and x.dtype == torch.bfloat16 and BF16_FAST:
+    if n and _bf16_words(x):
         xw = x.view(torch.int32)
         w64 = w.view(torch.int64)
         nb = NVFP4_BF16["NB"]
@@ -126,7 +138,7 @@ def mxfp8_encode(x: torch.Tensor, scale_mode: str = "rceil", element: str = "e4m
     q = torch.empty((g, n), dtype=torch.uint8, device=x.device)
     sc = torch.empty((g, n // 32), dtype=torch.uint8, device=x.device)
     bad = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if n and x.dtype == torch.bfloat16 and BF16_FAST:
+    if n and _bf16_words(x):
         xw = x.view(torch.int32)
         q64 = q.view(torch.int64)
         nb = MXFP8_BF16["NB"]
