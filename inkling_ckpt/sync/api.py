@@ -102,7 +102,6 @@ class WeightSync:
         for e in self.mapping.entries():
             if isinstance(e.rule, StackedExperts):
                 self._stacked[e.key] = (e.idx["layer"], "fc1" if len(e.rule.hf) == 2 else "fc2")
-        self._pending: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}
         self._batched_cache: dict = {}
 
     @classmethod
@@ -142,19 +141,19 @@ class WeightSync:
     def groups(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, expert_offset: int = 0) -> Iterator[LoadGroup]:
         """Load groups in input order. Stacked experts ``[E_local, ...]`` start at global expert
         ``expert_offset``; a layer's experts are emitted once both its fc1 and fc2 arrived."""
-        self._pending = {}
+        pending: dict[int, dict[str, tuple[torch.Tensor, int]]] = {}  # layer -> the expert tensor that came first
         for name, tensor in named_tensors:
             key = self.canonical(name)
             if key in self._stacked:
                 if self.select == "non-experts":
                     continue
                 layer, fc = self._stacked[key]
-                got = self._pending.setdefault(layer, {})
+                got = pending.setdefault(layer, {})
                 if fc in got:
                     raise CheckpointError(f"{key} given twice before its layer's other expert tensor")
                 got[fc] = (tensor, expert_offset)
                 if len(got) == 2:
-                    del self._pending[layer]
+                    del pending[layer]
                     yield from self._expert_groups(layer, got)
                 continue
             if self.select == "experts":
@@ -167,8 +166,8 @@ class WeightSync:
                                           f"{self.mapping.megatron_keys()[1]})") from None
                 raise
             yield LoadGroup([(n, self._checked(n, t)) for n, t in outs.items()], key)
-        if self._pending:
-            layer, got = next(iter(self._pending.items()))
+        if pending:
+            layer, got = next(iter(pending.items()))
             missing = "linear_fc2" if "fc1" in got else "linear_fc1"
             raise CheckpointError(f"layer {layer}: routed experts got only one of linear_fc1/linear_fc2 "
                                   f"(no {missing} followed)")
