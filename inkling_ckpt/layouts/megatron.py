@@ -36,6 +36,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -238,8 +239,7 @@ class _UnitWriter(FileSystemWriter):
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + \
                   [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
         with open(partial, "wb") as f, _no_crc32():
-            for wi in ordered:
-                data = planner.resolve_data(wi)
+            for wi, data in _read_ahead(planner, ordered):
                 start = f.tell()
                 if isinstance(data, io.BytesIO):
                     f.write(data.getbuffer())
@@ -261,6 +261,24 @@ class _UnitWriter(FileSystemWriter):
              r.storage_data.offset, r.storage_data.length] for r in results]}))
         os.replace(tmp, sidecar)
         return results
+
+
+def _read_ahead(planner: _LazyPlanner, items: list[WriteItem]) -> Iterator[tuple[WriteItem, Any]]:
+    """``(item, data)`` in order, building the next item in a thread while the caller writes this one.
+
+    Reading the source (disk) and writing the output (page cache, writeback) then overlap; at
+    most two chunks are in memory.
+    """
+    if not items:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-read-ahead") as pool:
+        pending = pool.submit(planner.resolve_data, items[0])
+        for i, wi in enumerate(items):
+            data = pending.result()
+            if i + 1 < len(items):
+                pending = pool.submit(planner.resolve_data, items[i + 1])
+            yield wi, data
+            del data
 
 
 @contextmanager
