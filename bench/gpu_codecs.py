@@ -230,12 +230,13 @@ def main():
     res["checks"] = checks
 
     if args.sweep:
-        for nb in (128, 256, 512):
-            for nw in (4, 8):
-                ops.NVFP4_BF16.update(NB=nb, num_warps=nw)
-                row(f"  sweep NVFP4 bf16 NB={nb} warps={nw}", b_nv, bench(k_nvfp4, 150), copy)
-        ops.NVFP4_BF16.update(NB=256, num_warps=4)
-        for nb in (64, 128, 256):
+        keep = dict(ops.NVFP4_BF16)
+        for nb, nw, it in ((256, 8, 0), (128, 4, 0), (128, 4, 2), (128, 4, 4), (128, 4, 8), (128, 8, 4),
+                           (256, 8, 2), (256, 8, 4), (64, 2, 8)):
+            ops.NVFP4_BF16.update(NB=nb, num_warps=nw, ITERS=it)
+            row(f"  sweep NVFP4 bf16 NB={nb} warps={nw} iters={it}", b_nv, bench(k_nvfp4, 150), copy)
+        ops.NVFP4_BF16.update(keep)
+        for nb in (128, 256):
             for nw in (4, 8):
                 ops.MXFP8_BF16.update(NB=nb, num_warps=nw)
                 row(f"  sweep MXFP8 bf16 NB={nb} warps={nw}", b_mx, bench(k_mxfp8, 150), copy)

@@ -471,3 +471,101 @@ def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TI
     tl.atomic_max(amax_ptr + g, tl.max(acc, axis=0))
     anybad = (tl.max(raw, axis=0) >= 0x7F800000).to(tl.int32)
     tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)
+
+
+@triton.jit
+def _nv_word_byte_plain(w, eff, y):
+    """_nv_word_byte without the rescale (eff known to keep Markstein's intermediates normal)."""
+    e0 = (w << 16).to(tl.float32, bitcast=True)
+    e1 = (w & -65536).to(tl.float32, bitcast=True)
+    q0 = _div_markstein(e0, eff, y)
+    q1 = _div_markstein(e1, eff, y)
+    c0 = _e2m1_code(q0) | tl.where(e0 < 0.0, 8, 0)
+    c1 = _e2m1_code(q1) | tl.where(e1 < 0.0, 8, 0)
+    return c0 | (c1 << 4)
+
+
+@triton.jit
+def _nv_tile(wa, wb, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr):
+    """(packed int64 [NB], scale byte [NB], bad [NB]) of NB blocks held as two [NB, 4] word pieces."""
+    mbits = tl.maximum(_absbits_max(wa), _absbits_max(wb))
+    badblk = mbits >= 0x7F800000
+    bamax = mbits.to(tl.float32, bitcast=True)
+    if SANE:
+        q0 = bamax * y6
+        sb = tl.minimum(tl.maximum(_div_markstein(bamax, six_s2, y6), 0.001953125), 448.0)
+        sb = tl.where(q0 > 1.0e6, 448.0, sb)  # overflowing quotients: clamped anyway
+        sb = tl.where(bamax == 0.0, 1.0, sb)
+        sbyte = _f8_rne_byte(sb, 3, 7, 512.0, 0.015625)
+        eff = _e4m3_value(sbyte) * s2
+        y = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), eff)
+        ba = _nv_word_byte_plain(wa, eff[:, None], y[:, None])
+        bb = _nv_word_byte_plain(wb, eff[:, None], y[:, None])
+    else:
+        sb = tl.math.div_rn(bamax, tl.full([NB], 1.0, tl.float32) * six_s2)
+        sb = tl.where(sb == 0.0, 1.0, sb)
+        sb = tl.minimum(tl.maximum(sb, 0.001953125), 448.0)
+        sbyte = _f8_rne_byte(sb, 3, 7, 512.0, 0.015625)
+        eff = _e4m3_value(sbyte) * s2
+        ebits = (eff.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        scale = (tl.minimum(tl.maximum(254 - ebits, 1), 253) << 23).to(tl.float32, bitcast=True)
+        effs = eff * scale
+        y = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), effs)
+        ba = _nv_word_byte(wa, scale[:, None], effs[:, None], y[:, None])
+        bb = _nv_word_byte(wb, scale[:, None], effs[:, None], y[:, None])
+    shift = tl.arange(0, 4)[None, :] * 8
+    lo = tl.reduce(ba << shift, 1, _or).to(tl.int64) & 0xFFFFFFFF
+    hi = tl.reduce(bb << shift, 1, _or).to(tl.int64) << 32
+    packed = tl.where(badblk, 0, lo | hi)
+    sbyte = tl.where(badblk, 0x7F, sbyte)
+    return packed, sbyte, badblk
+
+
+@triton.jit
+def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr,
+             ITERS: tl.constexpr):
+    """ITERS consecutive tiles, the next tile's words loaded before the current one is computed."""
+    blk = pid.to(tl.int64) * ITERS * NB + tl.arange(0, NB)
+    row = g.to(tl.int64) * nblk + blk
+    m = blk < nblk
+    base = row[:, None] * 8 + tl.arange(0, 4)[None, :]
+    wa = tl.load(x_ptr + base, mask=m[:, None], other=0)
+    wb = tl.load(x_ptr + base + 4, mask=m[:, None], other=0)
+    for it in range(ITERS):
+        nblk_next = blk + NB
+        mn = (nblk_next < nblk) & (it + 1 < ITERS)
+        nbase = base + NB * 8
+        wa_n = tl.load(x_ptr + nbase, mask=mn[:, None], other=0)  # prefetch
+        wb_n = tl.load(x_ptr + nbase + 4, mask=mn[:, None], other=0)
+        packed, sbyte, badblk = _nv_tile(wa, wb, s2, six_s2, y6, SANE, NB)
+        tl.store(w_ptr + row, packed, mask=m)
+        tl.store(sc_ptr + row, sbyte.to(tl.uint8), mask=m)
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=badblk & m)
+        wa = wa_n
+        wb = wb_n
+        blk = nblk_next
+        row = row + NB
+        base = nbase
+        m = blk < nblk
+
+
+@triton.jit
+def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr, ITERS: tl.constexpr):
+    """nvfp4_encode_bf16_kernel over ITERS tiles per program (loads of the next tile in flight
+    while one is computed), with a cheaper path for the usual global scales.
+
+    For weight_scale_2 in [2^-60, 2^13] (any real weight: amax / 2688) every quotient that decides
+    a byte stays in the normal range, so the block scale is also a Markstein quotient (RN(1/(6*s2))
+    once per program) and the elements need no rescale; the bound 2^13 also keeps a non-zero block
+    maximum from underflowing to a zero block scale. Other global scales take the rescaled path.
+    """
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    nblk = NW // 8
+    s2 = tl.load(s2_ptr + g)
+    six_s2 = s2 * 6.0
+    y6 = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), tl.full([NB], 1.0, tl.float32) * six_s2)
+    if (s2 >= 8.673617379884035e-19) & (s2 <= 8192.0):
+        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, True, NB, ITERS)
+    else:
+        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, False, NB, ITERS)

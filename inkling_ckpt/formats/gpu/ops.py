@@ -27,7 +27,7 @@ _MAX_GRID_Y = 65535
 #: BF16 inputs take the register-resident kernels (``*_bf16_kernel``); False forces the generic
 #: ones (tests run both). Hardware FP8 casts are used except in Triton's interpreter.
 BF16_FAST = True
-NVFP4_BF16 = {"NB": 256, "num_warps": 8}
+NVFP4_BF16 = {"NB": 128, "num_warps": 4, "ITERS": 8}  # ITERS 0: the one-tile kernel
 MXFP8_BF16 = {"NB": 128, "num_warps": 4}
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -115,11 +115,16 @@ def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch
     if n and _bf16_words(x):
         xw = x.view(torch.int32)
         w64 = w.view(torch.int64)
-        nb = NVFP4_BF16["NB"]
+        nb, it = NVFP4_BF16["NB"], NVFP4_BF16.get("ITERS", 0)
         for g0, g1 in _group_slices(g):
-            grid = (triton.cdiv(n // 16, nb), g1 - g0)
-            K.nvfp4_encode_bf16_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
-                                             num_warps=NVFP4_BF16["num_warps"])
+            if it:
+                grid = (triton.cdiv(n // 16, nb * it), g1 - g0)
+                K.nvfp4_encode_bf16_loop_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
+                                                      ITERS=it, num_warps=NVFP4_BF16["num_warps"])
+            else:
+                grid = (triton.cdiv(n // 16, nb), g1 - g0)
+                K.nvfp4_encode_bf16_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
+                                                 num_warps=NVFP4_BF16["num_warps"])
     elif n:
         nb = NVFP4_ENC["NB"]
         for g0, g1 in _group_slices(g):
