@@ -69,6 +69,13 @@ def _steady_memory() -> None:
         pass
 
 
+def _one_process(command: str) -> None:
+    """Refuse torchrun for commands that write one HF folder from one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise PlanError(f"convert {command} runs in one process; start it without torchrun "
+                        "(only hf-to-megatron splits its work over ranks)")
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -127,6 +134,7 @@ def megatron_to_hf_cmd(
 
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
+    _one_process("megatron-to-hf")
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
@@ -153,6 +161,7 @@ def hf_to_hf_cmd(
 
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
+    _one_process("hf-to-hf")
     _steady_memory()
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
