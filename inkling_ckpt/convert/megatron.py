@@ -18,10 +18,11 @@ interrupted one; in the torch_dist folder ``metadata.json`` is written last.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -323,24 +324,43 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: InklingMapping, reference: Ten
         for name, v in m.to_hf(e.key, reader.read(e.key)).items():
             put(name, v.contiguous())
     I, H = cfg.moe_intermediate_size, cfg.hidden_size
+    todo: list[tuple[int, int]] = []
     for layer in range(cfg.num_hidden_layers):
-        keys = stacked[layer]
         outputs: dict[int, list[str]] = {}
         for lin in expert_linears(cfg, encoder.plan, layer):
             outputs.setdefault(lin.expert, []).extend(s.name for s in lin.parts())
-        for expert in range(cfg.n_routed_experts):
-            if not any(writer.needed(n) for n in outputs[expert]):
-                continue
-            fc1 = reader.read(keys["fc1"], (expert, 0, 0), (1, 2 * I, H))
-            fc2 = reader.read(keys["fc2"], (expert, 0, 0), (1, H, I))
-            logical = {**m.experts_to_hf(keys["fc1"], fc1, expert), **m.experts_to_hf(keys["fc2"], fc2, expert)}
-            weights = {proj: logical[f"{expert_module(layer, expert, proj)}.weight"] for proj in EXPERT_PROJS}
-            for name, t in encoder.encode(layer, expert, weights).items():
-                put(name, t)
+        todo += [(layer, e) for e in range(cfg.n_routed_experts) if any(writer.needed(n) for n in outputs[e])]
+
+    def load(job: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        layer, expert = job
+        keys = stacked[layer]
+        return (reader.read(keys["fc1"], (expert, 0, 0), (1, 2 * I, H)),
+                reader.read(keys["fc2"], (expert, 0, 0), (1, H, I)))
+
+    for (layer, expert), (fc1, fc2) in _read_ahead(todo, load):
+        keys = stacked[layer]
+        logical = {**m.experts_to_hf(keys["fc1"], fc1, expert), **m.experts_to_hf(keys["fc2"], fc2, expert)}
+        weights = {proj: logical[f"{expert_module(layer, expert, proj)}.weight"] for proj in EXPERT_PROJS}
+        for name, t in encoder.encode(layer, expert, weights).items():
+            put(name, t)
     for name in writer.pending():  # the vision tower: from the reference, bit for bit
         if not name.startswith("model.visual."):
             raise CheckpointError(f"megatron-to-hf: nothing produced {name}")
         put(name, reference.get(name))
+
+
+def _read_ahead(jobs: list[Any], load: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
+    """``(job, load(job))`` in order, loading the next job in a thread while the caller works on this one."""
+    if not jobs:
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-read-ahead") as pool:
+        pending = pool.submit(load, jobs[0])
+        for i, job in enumerate(jobs):
+            data = pending.result()
+            if i + 1 < len(jobs):
+                pending = pool.submit(load, jobs[i + 1])
+            yield job, data
+            del data
 
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "plan_megatron", "logical_getter", "logical_names", "assign_units"]
