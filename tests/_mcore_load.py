@@ -1,7 +1,8 @@
 """Load one of our torch_dist checkpoints with real Megatron-Core and compare every value.
 
 Run as a script (one process, or under torchrun for an expert-parallel view):
-``python tests/_mcore_load.py CKPT HF_SOURCE``. It builds the sharded state dict the way
+``python tests/_mcore_load.py load CKPT HF_SOURCE``; ``save`` instead has Megatron-Core write
+CKPT itself from the same sharded state dict filled with the HF values (for testing our reader). It builds the sharded state dict the way
 Megatron-Core's modules do for these keys (per-layer keys, ``ShardedTensor.from_rank_offsets``;
 routed experts one ShardedTensor per expert with a prepended expert axis, ``linear_fc1`` split
 into its gate and up halves as ``apply_swiglu_sharded_factory`` does; ``_extra_state`` as
@@ -22,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def main(ckpt: str, hf: str) -> None:
+def main(mode: str, ckpt: str, hf: str) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
@@ -43,6 +44,10 @@ def main(ckpt: str, hf: str) -> None:
     E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     per_rank = E // world  # expert parallel: this rank owns experts [rank*per_rank, (rank+1)*per_rank)
     sd: dict[str, object] = {}
+
+    def data(want: torch.Tensor) -> torch.Tensor:
+        return want.clone() if mode == "save" else torch.zeros_like(want)
+
     expected: dict[str, torch.Tensor] = {}
     for key in m.megatron_keys():
         rule = m.rule_for(key)
@@ -54,20 +59,16 @@ def main(ckpt: str, hf: str) -> None:
                 if len(names) == 2:  # fc1: gate rows then up rows, as the swiglu factory shards it
                     for half, name in enumerate(names):
                         sk = f"{key}#{e}.{half}"
-                        sd[sk] = ShardedTensor.from_rank_offsets(key, torch.zeros(I, H, dtype=dtype), (0, e, E), (1, half, 2),
-                                                                 replica_id=0, prepend_axis_num=1)
                         expected[sk] = get(name)
+                        sd[sk] = ShardedTensor.from_rank_offsets(key, data(expected[sk]), (0, e, E), (1, half, 2),
+                                                                 replica_id=0, prepend_axis_num=1)
                 else:
                     sk = f"{key}#{e}"
-                    sd[sk] = ShardedTensor.from_rank_offsets(key, torch.zeros(H, I, dtype=dtype), (0, e, E),
-                                                             replica_id=0, prepend_axis_num=1)
                     expected[sk] = get(names[0])
+                    sd[sk] = ShardedTensor.from_rank_offsets(key, data(expected[sk]), (0, e, E),
+                                                             replica_id=0, prepend_axis_num=1)
             continue
         vocab = key in ("embedding.word_embeddings.weight", "output_layer.weight")
-        t = ShardedTensor.from_rank_offsets(key, torch.zeros(shape, dtype=dtype), replica_id=(0, 0, rank))
-        if vocab:
-            t.allow_shape_mismatch = True
-        sd[key] = t
         names = m.hf_inputs(key)
         if isinstance(rule, QKVInterleave):
             q, k, v = (get(n) for n in names)
@@ -81,6 +82,10 @@ def main(ckpt: str, hf: str) -> None:
             expected[key] = torch.cat([get(names[0]), get(names[1])])
         else:
             expected[key] = get(names[0])
+        t = ShardedTensor.from_rank_offsets(key, data(expected[key]), replica_id=(0, 0, rank))
+        if vocab:
+            t.allow_shape_mismatch = True
+        sd[key] = t
     for uk in m.extra_state_keys():
         base, shard = uk.split("/shard_")
         off, shp = shard.split("_")
@@ -88,7 +93,16 @@ def main(ckpt: str, hf: str) -> None:
         expert_obj = ".experts.experts." in base
         if expert_obj and not (rank * per_rank <= offsets[0] < (rank + 1) * per_rank):
             continue  # another EP rank's expert
-        sd[uk] = ShardedObject(base, None, shape, offsets, replica_id=0 if expert_obj else (0, 0, rank))
+        payload = torch.empty(0, dtype=torch.uint8) if mode == "save" else None  # what TE's get_extra_state gives
+        sd[uk] = ShardedObject(base, payload, shape, offsets, replica_id=0 if expert_obj else (0, 0, rank))
+    if mode == "save":  # Megatron-Core writes the checkpoint itself (its save path needs a CUDA shim on CPU)
+        if not torch.cuda.is_available():
+            torch.cuda.synchronize = lambda *a, **k: None
+            torch.cuda.current_device = lambda: "cpu"
+        dist_checkpointing.save(sd, ckpt)
+        print(f"SAVED rank {rank}/{world}")
+        dist.destroy_process_group()
+        return
     loaded = dist_checkpointing.load(sd, ckpt)
     bad = []
     for k, want in expected.items():
@@ -111,4 +125,4 @@ def main(ckpt: str, hf: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:4])
