@@ -41,17 +41,18 @@ def main(mode: str, ckpt: str, hf: str) -> None:
     cfg = src.cfg
     get = logical_getter(src)
     m = InklingMapping(cfg)
-    E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    E = cfg.n_routed_experts
     per_rank = E // world  # expert parallel: this rank owns experts [rank*per_rank, (rank+1)*per_rank)
     sd: dict[str, object] = {}
 
     def data(want: torch.Tensor) -> torch.Tensor:
-        return want.clone() if mode == "save" else torch.zeros_like(want)
+        """save: the values; load: an empty target of the Megatron dtype (the loader fills it)."""
+        return want.clone() if mode == "save" else torch.zeros(want.shape, dtype=dtype)
 
     expected: dict[str, torch.Tensor] = {}
     for key in m.megatron_keys():
         rule = m.rule_for(key)
-        shape, dtype = m.megatron_shape(key), m.megatron_dtype(key)
+        dtype = m.megatron_dtype(key)
         if isinstance(rule, StackedExperts):
             for local in range(per_rank):
                 e = rank * per_rank + local
