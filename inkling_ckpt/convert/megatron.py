@@ -135,8 +135,14 @@ def logical_names(src: TensorSource) -> list[str]:
 def plan_megatron(m: InklingMapping) -> tuple[list[ChunkItem], list[ObjectItem], dict[str, int]]:
     """Every chunk and object of the output, each tagged with its unit number."""
     unit_no = {u: i for i, u in enumerate(m.units)}
-    chunks = [ChunkItem(e.key, off, size, e.shape, e.rule.dtype, unit_no[e.unit])
-              for e in m.entries() for off, size in m.chunks(e.key)]
+    ranked: list[tuple[tuple[int, int, int, int], ChunkItem]] = []
+    for pos, e in enumerate(m.entries()):
+        for off, size in m.chunks(e.key):
+            # Within a unit: the layer's tensors, then expert by expert (fc1 then fc2 of expert 0,
+            # of expert 1, …) — the order an HF checkpoint stores gate/up/down, so reads run forward.
+            rank = (unit_no[e.unit], 1, off[0], pos) if e.stacked else (unit_no[e.unit], 0, pos, 0)
+            ranked.append((rank, ChunkItem(e.key, off, size, e.shape, e.rule.dtype, unit_no[e.unit])))
+    chunks = [c for _, c in sorted(ranked, key=lambda rc: rc[0])]
     payload = empty_extra_state()
     objects = [ObjectItem(k, unit_no[unit_of_key(k)], payload) for k in m.extra_state_keys()]
     return chunks, objects, unit_no
