@@ -336,13 +336,17 @@ RULES: tuple[Rule, ...] = (
     Rename(f"{_ML}.final_layernorm.weight", (f"{MTP}.final_layernorm.weight",)),
 )
 
-# TE modules that carry ``_extra_state`` (a superset is harmless: unrequested keys are ignored).
+# TE modules that carry ``_extra_state``: linears, attention, and (TE 2.x op-based) norms. A
+# superset is harmless — Megatron ignores checkpoint keys nobody requests — while a missing one
+# fails its default load (shared/reference/megatron.md §2.6, §6.3).
 EXTRA_STATE_MODULES: tuple[str, ...] = (
+    "decoder.final_layernorm",
     f"{_DL}.self_attention.linear_qkv", f"{_DL}.self_attention.linear_gate", f"{_DL}.self_attention.linear_proj",
-    f"{_DL}.self_attention.core_attention",
+    f"{_DL}.self_attention.core_attention", f"{_DL}.pre_mlp_layernorm",
+    f"{_DL}.attn_residual.norm", f"{_DL}.mlp_residual.norm",
     f"{_MT}.self_attention.linear_qkv", f"{_MT}.self_attention.linear_gate", f"{_MT}.self_attention.linear_proj",
     f"{_MT}.self_attention.core_attention", f"{_MT}.mlp.linear_fc1", f"{_MT}.mlp.linear_fc2",
-    f"{_ML}.eh_proj",
+    f"{_ML}.eh_proj", f"{_ML}.enorm", f"{_ML}.hnorm", f"{_ML}.final_layernorm",
 )
 EXPERT_EXTRA_STATE_MODULES: tuple[str, ...] = (
     f"{_DL}.mlp.experts.experts.linear_fc1", f"{_DL}.mlp.experts.experts.linear_fc2",
@@ -488,11 +492,12 @@ class InklingMapping:
         """Unique keys of the ``_extra_state`` objects (Megatron ``ShardedObject.unique_key`` form)."""
         out: list[str] = []
         E = self.cfg.n_routed_experts
+        counts = {"layer": self.cfg.num_hidden_layers, "mtp": self.cfg.num_nextn_predict_layers}
         for pat in EXTRA_STATE_MODULES:
             loop = next(iter(_fields(pat)), None)
-            n = self.cfg.num_hidden_layers if loop == "layer" else self.cfg.num_nextn_predict_layers
-            for i in range(n):
-                out.append(f"{pat.format(**{loop: i})}._extra_state/shard_0_1")
+            for i in range(counts[loop]) if loop else [None]:
+                module = pat.format(**{loop: i}) if loop else pat
+                out.append(f"{module}._extra_state/shard_0_1")
         for pat in EXPERT_EXTRA_STATE_MODULES:
             for i in range(self.cfg.num_hidden_layers):
                 out.extend(f"{pat.format(layer=i)}._extra_state/shard_{e}_{E}" for e in range(E))
