@@ -313,3 +313,18 @@ def test_full_or_read_only_destination(cli, tmp_path, options, match):
         import subprocess
 
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
+    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run")
+    assert code == 0, err
+    info = json.loads(out)
+    m = InklingMapping(HFCheckpoint.open(TINY["mixed"]).cfg)
+    assert info["tensors"] == len(m.megatron_keys()) and info["extra_state_objects"] == len(m.extra_state_keys())
+    assert info["chunks"] == sum(len(m.chunks(k)) for k in m.megatron_keys())
+    assert not (tmp_path / "mg").exists() and list(tmp_path.iterdir()) == []
+    code, out, err = cli("convert", "megatron-to-hf", megatron["mixed"], tmp_path / "hf", "--reference", TINY["mixed"],
+                         "--dry-run")
+    assert code == 0, err
+    assert json.loads(out)["output_tensors"] == len(HFCheckpoint.open(TINY["mixed"]).tensors)
+    assert list(tmp_path.iterdir()) == []

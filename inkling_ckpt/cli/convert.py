@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Iterator, Optional
 import typer
 
 from ..convert.experts import SCALE_POLICIES
-from ..convert.megatron import hf_to_megatron, megatron_to_hf
+from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf, hf_to_megatron, megatron_to_hf
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
@@ -29,6 +30,8 @@ convert_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(convert_app)
+
+DRY_RUN_OPT = typer.Option(False, "--dry-run", help="Validate the input and print (JSON) what would be written; write nothing.")
 
 SCALES_HELP = (
     "NVFP4 global/input scales: 'keep' takes them from the reference (unchanged weights then come back "
@@ -96,6 +99,7 @@ def hf_to_megatron_cmd(
              "e.g. 128*TP). Default: the true vocab_size rows; Megatron pads at load."),
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
+    dry_run: bool = DRY_RUN_OPT,
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes, BF16).
 
@@ -105,6 +109,12 @@ def hf_to_megatron_cmd(
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
+    if dry_run:
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        info = describe_hf_to_megatron(HFCheckpoint.open(src), pad_vocab_to_multiple=pad_vocab_to_multiple, ranks=ranks)
+        if _rank() == 0:
+            typer.echo(json.dumps(info, indent=2))
+        return
     _steady_memory()
     with _torchrun():
         ckpt = HFCheckpoint.open(src)
@@ -127,6 +137,7 @@ def megatron_to_hf_cmd(
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
+    dry_run: bool = DRY_RUN_OPT,
 ) -> None:
     """Bring trained Megatron weights back to HF in the served precision.
 
@@ -138,6 +149,9 @@ def megatron_to_hf_cmd(
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
+    if dry_run:
+        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p), indent=2))
+        return
     result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales),  # type: ignore[arg-type]
                             max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
                             force=force, progress=not quiet)

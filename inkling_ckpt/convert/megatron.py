@@ -148,6 +148,24 @@ def plan_megatron(m: InklingMapping) -> tuple[list[ChunkItem], list[ObjectItem],
     return chunks, objects, unit_no
 
 
+def describe_hf_to_megatron(src: TensorSource, *, pad_vocab_to_multiple: int | None = None, ranks: int = 1) -> dict[str, Any]:
+    """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
+    m = InklingMapping(src.cfg, pad_vocab_to_multiple=pad_vocab_to_multiple)
+    m.check_source(logical_names(src), str(getattr(src, "root", "source")))
+    chunks, objects, _ = plan_megatron(m)
+    sizes: dict[str, int] = {}
+    for c in chunks:
+        sizes[m.units[c.unit]] = sizes.get(m.units[c.unit], 0) + c.nbytes
+    owner = assign_units(sizes, World(0, ranks))
+    return {
+        "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan),
+        "tensors": len(m.megatron_keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
+        "bytes": sum(c.nbytes for c in chunks), "vocab_rows": m.vocab_rows,
+        "largest_chunk_bytes": max(c.nbytes for c in chunks),
+        "units": {u: {"bytes": n, "rank": owner[u]} for u, n in sizes.items()},
+    }
+
+
 def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple: int | None = None,
                    force: bool = False, progress: bool = True) -> Result:
     """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
@@ -265,6 +283,24 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: InklingMapping) -> None:
         raise CheckpointError(f"{where}: no rule consumes tensor {extra[0]}{more}")
 
 
+def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None) -> dict[str, Any]:
+    """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
+    reader = TorchDistCheckpoint.open(src)
+    plan = plan or reference.plan
+    if len(plan) != reference.cfg.num_hidden_layers:
+        raise PlanError(f"plan covers {len(plan)} layers, the reference has {reference.cfg.num_hidden_layers}")
+    m = InklingMapping(reference.cfg)
+    check_torch_dist(reader, m)
+    specs = inventory(reference.cfg, plan)
+    skipped = sorted(k for k in reader.keys if k.startswith(_SKIP_PREFIXES))
+    return {
+        "source": str(reader.folder), "tensors_read": len(m.megatron_keys()), "skipped_keys": len(skipped),
+        "objects_ignored": len(reader.objects), "plan": str(plan), "output_tensors": len(specs),
+        "output_bytes": sum(s.nbytes for s in specs),
+        "vision_tensors_from_reference": sum(1 for s in specs if s.name.startswith("model.visual.")),
+    }
+
+
 def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
                    scales: ScalePolicy = "keep", max_shard_size: int | str = "5GB", allow_nonfinite: bool = False,
                    force: bool = False, progress: bool = True) -> Result:
@@ -369,4 +405,4 @@ def _read_ahead(jobs: list[Any], load: Callable[[Any], Any]) -> Iterator[tuple[A
             del data
 
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "plan_megatron", "logical_getter", "logical_names", "assign_units"]
+__all__ = ["hf_to_megatron", "megatron_to_hf", "describe_hf_to_megatron", "describe_megatron_to_hf", "plan_megatron", "logical_getter", "logical_names", "assign_units"]
