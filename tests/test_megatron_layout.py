@@ -89,3 +89,33 @@ def test_metadata_chunks_must_tile_the_tensor(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match="do not cover"):
         TorchDistCheckpoint.open(tmp_path)
+
+
+def test_common_pt_as_megatron_writes_it_loads_without_megatron(tmp_path):
+    """MLM's common.pt holds argparse.Namespace args and Megatron enums: readable, no Megatron code run."""
+    import argparse
+    import enum
+
+    _write(tmp_path, {"a": torch.zeros(2, 2, dtype=torch.bfloat16)}, {})
+    mod = types.ModuleType("megatron.core.enums")
+
+    class ModelType(enum.Enum):
+        encoder_or_decoder = 1
+
+    ModelType.__module__, ModelType.__qualname__ = mod.__name__, "ModelType"
+    mod.ModelType = ModelType
+    real = sys.modules.get(mod.__name__)  # megatron-core may be installed and imported by another test
+    sys.modules[mod.__name__] = mod
+    try:
+        args = argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.bfloat16, model_type=ModelType.encoder_or_decoder)
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10}, tmp_path / "common.pt")
+    finally:
+        if real is None:
+            del sys.modules[mod.__name__]
+        else:
+            sys.modules[mod.__name__] = real
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    assert ckpt.common["iteration"] == 10
+    assert ckpt.common["args"].tensor_model_parallel_size == 2
+    if real is None:  # without Megatron the enum is an inert stand-in
+        assert type(ckpt.common["args"].model_type).__name__ == "_MegatronValue"

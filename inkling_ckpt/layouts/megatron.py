@@ -452,9 +452,54 @@ class _Slice(io.RawIOBase):
         return got
 
 
+class _MegatronValue:
+    """Stand-in for a Megatron class inside ``common.pt`` (run args, enums): keeps its state only."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            self.__dict__.update(state)
+
+
+# What Megatron-Core itself allows in common.pt beyond torch's weights-only set
+# (megatron/core/safe_globals.py, core_v0.16.1): its run arguments and a few enums. Megatron
+# classes load as inert stand-ins, so reading never needs (or runs) Megatron code; anything
+# else is refused as unsafe.
+_MEGATRON_SAFE_NAMES = (
+    "megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope", "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.optimizer.OptimizerConfig", "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode", "megatron.core.rerun_state_machine.RerunState",
+)
+
+
+def _common_safe_globals() -> list[Any]:
+    import argparse
+    import pathlib
+    import signal
+    import types
+
+    safe: list[Any] = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, signal.Signals, io.BytesIO]
+    try:
+        import numpy as np
+
+        safe += [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+        core = getattr(np, "_core", None) or np.core  # numpy 2 / 1
+        recon = getattr(core.multiarray, "_reconstruct", None)
+        if recon is not None:  # pickles name it after the numpy that wrote them (1.x: numpy.core)
+            safe += [(recon, f"{mod}._reconstruct") for mod in ("numpy.core.multiarray", "numpy._core.multiarray")]
+    except (ImportError, AttributeError):
+        pass
+    safe += [(_MegatronValue, name) for name in _MEGATRON_SAFE_NAMES]
+    return safe
+
+
 def _safe_load(data: io.IOBase | Path, what: str) -> Any:
     try:
-        return torch.load(data, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_common_safe_globals()):
+            return torch.load(data, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
