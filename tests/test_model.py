@@ -125,3 +125,11 @@ def test_config_errors():
     cfg["text_config"]["layer_types"] = cfg["text_config"]["layer_types"][:3]
     with pytest.raises(ConfigError, match="layer_types"):
         InklingConfig.from_dict(cfg)
+
+
+def test_shipped_full_size_config_is_the_preset():
+    import json
+    from pathlib import Path
+
+    shipped = json.loads((Path(__file__).resolve().parent.parent / "fixtures/full-size/config.json").read_text())
+    assert shipped == preset_config("full")
