@@ -328,3 +328,46 @@ def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
     assert code == 0, err
     assert json.loads(out)["output_tensors"] == len(HFCheckpoint.open(TINY["mixed"]).tensors)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_megatron_to_hf_reads_stacked_layers(tmp_path, megatron):
+    """A training run that treats layers as homogeneous saves ``decoder.layers.<name>`` with a
+    leading layer axis (only the K/V convolutions of the full-attention layer stay per layer
+    here); megatron-to-hf reads it as per-layer keys and gives the fixture back byte for byte."""
+    import re
+
+    from inkling_ckpt.convert.megatron import megatron_to_hf
+    from inkling_ckpt.layouts.megatron import ChunkItem, ObjectItem, common_state, finish_iteration_dir, write_dcp
+
+    ours = TorchDistCheckpoint.open(megatron["mixed"])
+    L = HFCheckpoint.open(TINY["mixed"]).cfg.num_hidden_layers
+    groups: dict[str, list[str]] = {}
+    for key in ours.keys:
+        m = re.match(r"decoder\.layers\.(\d+)\.(.+)", key)
+        name = f"decoder.layers.{m.group(2)}" if m else key
+        groups.setdefault(name, []).append(key)
+    chunks, source = [], {}
+    for unit, (name, keys) in enumerate(groups.items()):
+        if len(keys) == L:  # stack: chunk per layer (and per expert), offsets with a layer index
+            shape = (L, *ours.keys[keys[0]].shape)
+            for i, k in enumerate(sorted(keys, key=lambda k: int(k.split(".")[2]))):
+                for off, size in ours.keys[k].chunks:
+                    chunks.append(ChunkItem(name, (i, *off), (1, *size), shape, ours.keys[k].dtype, unit))
+                    source[(name, (i, *off))] = (k, off)
+        else:
+            for k in keys:
+                for off, size in ours.keys[k].chunks:
+                    chunks.append(ChunkItem(k, off, size, ours.keys[k].shape, ours.keys[k].dtype, unit))
+                    source[(k, off)] = (k, off)
+
+    def produce(c: ChunkItem):
+        k, off = source[(c.key, c.offsets)]
+        t = ours.read_chunk(k, off)
+        return t.unsqueeze(0) if len(c.sizes) == t.dim() + 1 else t
+
+    out = tmp_path / "stacked"
+    write_dcp(out, chunks, [ObjectItem("x._extra_state/shard_0_1", 0, b"")], produce)
+    finish_iteration_dir(out, common_state({}))
+    assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in TorchDistCheckpoint.open(out).keys
+    megatron_to_hf(out, tmp_path / "back", HFCheckpoint.open(TINY["mixed"]), scales="keep", progress=False)
+    assert _differing(TINY["mixed"], tmp_path / "back") == []

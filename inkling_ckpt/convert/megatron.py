@@ -286,6 +286,7 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: InklingMapping) -> None:
 def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None) -> dict[str, Any]:
     """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
     reader = TorchDistCheckpoint.open(src)
+    reader.unstack_layers(reference.cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != reference.cfg.num_hidden_layers:
         raise PlanError(f"plan covers {len(plan)} layers, the reference has {reference.cfg.num_hidden_layers}")
@@ -309,6 +310,7 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
         raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
     reader = TorchDistCheckpoint.open(src)
     cfg = reference.cfg
+    reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"plan covers {len(plan)} layers, the reference has {cfg.num_hidden_layers}")

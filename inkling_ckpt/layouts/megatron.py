@@ -32,6 +32,7 @@ import io
 import json
 import os
 import pickle
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -423,6 +424,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
     return md
 
 
+_STACKED = re.compile(r"decoder\.layers\.(?![0-9]+\.)")
+
+
 class _Slice(io.RawIOBase):
     """A read-only window ``[offset, offset + length)`` of an open file (torch.load reads through it)."""
 
@@ -552,6 +556,8 @@ class TorchDistCheckpoint:
             elif isinstance(md, BytesStorageMetadata):
                 self.objects.append(key)
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
+        self._views: dict[str, tuple[str, int]] = {}  # per-layer key -> (stacked key, layer)
+        self._stacked: dict[str, StoredKey] = {}
 
     @classmethod
     def open(cls, path: str | Path) -> "TorchDistCheckpoint":
@@ -619,7 +625,7 @@ class TorchDistCheckpoint:
 
     def read_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """One stored chunk exactly as written (weights-only load straight from the file)."""
-        st = self.keys[key]
+        st = self._stacked.get(key) or self.keys[key]
         info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
         if info is None:
             raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
@@ -640,15 +646,47 @@ class TorchDistCheckpoint:
                                   f".metadata says {st.dtype} {list(sizes or ())}")
         return t
 
+    def unstack_layers(self, num_layers: int) -> int:
+        """Present stacked ("homogeneous") keys as per-layer keys; returns how many were stacked.
+
+        Megatron saves ``decoder.layers.<name>`` with a leading layer axis when the training run
+        treats its layers as homogeneous (reference §2.2); layer ``i`` of it is read as
+        ``decoder.layers.<i>.<name>``. Per-layer keys already present are left as they are.
+        """
+        stacked = [st for k, st in self.keys.items()
+                   if _STACKED.match(k) and st.shape and st.shape[0] == num_layers]
+        for st in stacked:
+            name = st.key[len("decoder.layers."):]
+            del self.keys[st.key]
+            for i in range(num_layers):
+                view = f"decoder.layers.{i}.{name}"
+                if view in self.keys:
+                    raise CheckpointError(f"{self.folder}: {view} is stored both per layer and stacked")
+                chunks = tuple((off[1:], size[1:]) for off, size in st.chunks if off[0] <= i < off[0] + size[0])
+                self.keys[view] = StoredKey(view, st.shape[1:], st.dtype, chunks)
+                self._views[view] = (st.key, i)
+                self._stacked[st.key] = st
+        return len(stacked)
+
     def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
         """A region (default: all) of a tensor, assembled from the stored chunks that overlap it.
 
         Memory: the region plus one stored chunk (the last chunk read is kept, so reading a
         stacked tensor expert by expert from one big chunk does not reload it every time).
         """
+        if key in self._views:
+            stored, layer = self._views[key]
+            st = self.keys[key]
+            off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
+            size = tuple(sizes) if sizes is not None else st.shape
+            return self._read_stored(self._stacked[stored], (layer, *off), (1, *size))[0]
         st = self.keys.get(key)
         if st is None:
             raise CheckpointError(f"{self.folder}: no tensor {key}")
+        return self._read_stored(st, offsets, sizes)
+
+    def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None) -> torch.Tensor:
+        key = st.key
         off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
         size = tuple(sizes) if sizes is not None else st.shape
         if len(off) != len(st.shape) or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape)):
