@@ -15,7 +15,9 @@ Everything is written through ``torch.distributed.checkpoint``: :func:`dcp.save`
 only when the storage writer asks for it (lazy, one at a time), and our storage writer puts each
 unit's chunks into its own file, finished by an atomic rename and recorded in a small sidecar
 so an interrupted conversion resumes unit by unit. File names depend on the unit, not on the
-rank, so a one-process and an N-process conversion write the same files.
+rank, and ``.metadata`` is written in a canonical order, so a one-process and an N-process
+conversion write the same bytes. Blobs are saved without zip CRC32s (``torch.load`` never
+checks them; computing them cost more than the writing).
 
 ``_extra_state`` objects (``ShardedObject``\\ s in Megatron) are stored as the bytes of
 ``torch.save([torch.empty(0, dtype=torch.uint8)])`` — what Transformer Engine writes with no FP8
@@ -23,7 +25,10 @@ state (reference §2.6); Megatron's default load strictness fails without them.
 
 The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list (torch's DCP
 dataclasses; legacy ``megatron.*`` classes become inert stand-ins) and ``common.pt`` with
-``weights_only=True``, and reads chunk blobs by offset.
+``weights_only=True`` plus what Megatron-LM itself allows there (its argparse run arguments and
+enums, again as stand-ins); anything else is refused. It reads chunk blobs by offset, assembles
+any region from any chunking (Megatron's TP/EP saves split tensors), and can present stacked
+``decoder.layers.<name>`` keys (leading layer axis) as per-layer keys.
 """
 
 from __future__ import annotations
