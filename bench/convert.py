@@ -7,7 +7,8 @@ is about 4.2 GB, 8 layers twice that), then measures, each in its own process:
   — the baseline: what the disk and page cache give without any conversion work; run before
   and after the conversions, the faster of the two counts;
 * ``hf-to-megatron``: the conversion to torch_dist;
-* ``megatron-to-hf``: the way back (``--plan bf16``, so no encoding work either way).
+* ``megatron-to-hf``: the way back into the fixture's precision (for BF16 no encoding work
+  either way; ``--variant mixed`` measures the decode and encode paths instead).
 
 Every step starts settled (``sync``, and the step's input files dropped from the page cache),
 so each reads from disk and none pays for another's writeback. It reports wall time, MB/s (output bytes / wall time; 1 MB = 10^6 B), peak RSS (the child's
@@ -103,16 +104,16 @@ def largest_tensor(fixture: Path) -> int:
     return max(t.nbytes for t in HFCheckpoint.open(fixture).tensors.values())
 
 
-def bench_size(work: Path, layers: int, keep: bool) -> dict:
+def bench_size(work: Path, layers: int, keep: bool, variant: str = "bf16") -> dict:
     cli = [sys.executable, "-m", "inkling_ckpt"]
-    fixture = work / f"wide-{layers}L"
+    fixture = work / f"wide-{variant}-{layers}L"
     if not fixture.exists():
         t0 = time.perf_counter()
-        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", "bf16", "--layers", str(layers),
+        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", variant, "--layers", str(layers),
                               "--max-shard-size", "2GB", "-q"], check=True, env=_env())
         print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
     src_bytes = sum(f.stat().st_size for f in fixture.glob("*.safetensors"))
-    res: dict = {"layers": layers, "fixture_bytes": src_bytes, "largest_tensor": largest_tensor(fixture)}
+    res: dict = {"layers": layers, "variant": variant, "fixture_bytes": src_bytes, "largest_tensor": largest_tensor(fixture)}
 
     def plain() -> dict:
         copy = work / "plain-copy"
@@ -129,8 +130,9 @@ def bench_size(work: Path, layers: int, keep: bool) -> dict:
     res["hf-to-megatron"] = {"seconds": wall, "bytes": out_bytes, "mb_s": out_bytes / wall / 1e6, "peak_rss": rss}
 
     back = work / "back"
+    # Back into the fixture's own precision (BF16: no encoding; mixed: NVFP4/MXFP8 encode, scales kept).
     wall, rss = run_measured(cli + ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(fixture),
-                                    "--plan", "bf16", "--max-shard-size", "2GB", "-q"], fixture, mg)
+                                    "--max-shard-size", "2GB", "-q"], fixture, mg)
     back_bytes = sum(f.stat().st_size for f in back.glob("*.safetensors"))
     res["megatron-to-hf"] = {"seconds": wall, "bytes": back_bytes, "mb_s": back_bytes / wall / 1e6, "peak_rss": rss}
     same = subprocess.run(["cmp", "-s", *sorted(str(p) for p in fixture.glob("*.safetensors"))[:1],
@@ -154,13 +156,15 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=ROOT / "bench-work", help="scratch folder (needs ~4x the largest fixture)")
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8], help="fixture sizes in layers (4 = ~4.2 GB)")
     ap.add_argument("--keep", action="store_true", help="keep the generated fixtures")
+    ap.add_argument("--variant", default="bf16", choices=["bf16", "mixed", "mxfp8"],
+                    help="fixture precision: bf16 (I/O bound) or a quantized one (decode/encode bound)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     results = []
     for layers in args.layers:
-        print(f"wide, {layers} layers:", flush=True)
-        r = bench_size(args.work, layers, args.keep)
+        print(f"wide {args.variant}, {layers} layers:", flush=True)
+        r = bench_size(args.work, layers, args.keep, args.variant)
         results.append(r)
         print(f"  plain runs {', '.join(f'{x:.0f}' for x in r['plain_runs_mb_s'])} MB/s; load average {r['load_avg']:.1f}")
         for what in ("plain", "hf-to-megatron", "megatron-to-hf"):
