@@ -231,8 +231,8 @@ def main():
 
     if args.sweep:
         keep = dict(ops.NVFP4_BF16)
-        for nb, nw, it in ((256, 8, 0), (128, 4, 0), (128, 4, 2), (128, 4, 4), (128, 4, 8), (128, 8, 4),
-                           (256, 8, 2), (256, 8, 4), (64, 2, 8)):
+        for nb, nw, it in ((256, 8, 0), (128, 4, 0), (128, 4, 2), (128, 4, 4), (128, 4, 8), (128, 4, 16), (128, 8, 4),
+                           (256, 8, 4), (256, 8, 8), (64, 2, 8), (64, 2, 16)):
             ops.NVFP4_BF16.update(NB=nb, num_warps=nw, ITERS=it)
             row(f"  sweep NVFP4 bf16 NB={nb} warps={nw} iters={it}", b_nv, bench(k_nvfp4, 150), copy)
         ops.NVFP4_BF16.update(keep)

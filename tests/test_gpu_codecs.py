@@ -371,3 +371,27 @@ def test_odd_offset_views(kernels):
         assert xd.storage_offset() % 2 == 1
         got = fmt.encode(xd)
         _assert_same_parts(got, _ref_encode(fmt, x), name)
+
+
+def test_nvfp4_decision_boundaries(kernels):
+    """Elements on and beside every E2M1 decision boundary x = m * eff (m = 0.25 ... 5, the bf16
+    values within a few ulps of it), at many block scales and non-power-of-two global scales:
+    where the BF16 kernel's per-block thresholds must agree with RN(x / eff) bit for bit."""
+    from inkling_ckpt.formats.encodings import E4M3, decode_table
+
+    g = torch.Generator().manual_seed(5)
+    table = decode_table(E4M3)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    for s2 in (0.0123456789, 3.3e-5, 7.77, 1.0 / 2688.0, 2.0**-50 * 1.37):
+        s2 = float(torch.tensor(s2, dtype=torch.float32))
+        nblk = 512
+        sbf = table[torch.randint(1, 127, (nblk,), generator=g)]
+        eff = sbf * s2  # float32, as the codec computes it
+        k = torch.randint(0, 7, (nblk, 15), generator=g)
+        centre = (mids[k] * eff[:, None]).to(torch.bfloat16).view(torch.int16)
+        near = (centre + torch.randint(-3, 4, (nblk, 15), generator=g, dtype=torch.int16)).view(torch.bfloat16).float()
+        near *= torch.where(torch.rand(nblk, 15, generator=g) < 0.5, -1.0, 1.0)
+        top = (6.0 * eff).to(torch.bfloat16).float()  # block amax: the block scale rounds to sbf
+        x = torch.cat([top[:, None], near], 1).reshape(64, -1)
+        _check("nvfp4", {}, x.bfloat16(), weight_scale_2=s2)
+    _check("nvfp4", {}, x.bfloat16())

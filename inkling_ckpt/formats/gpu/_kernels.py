@@ -271,6 +271,13 @@ def mxfp8_decode_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, N, NB: tl.co
 #   intermediate leaves the normal range, which a per-block power-of-two rescaling of x and
 #   eff guarantees wherever the quotient is near a rounding threshold;
 # * E2M1 rounding from the float bits (magic-number add below 1, one-mantissa-bit RNE above).
+#
+# The NVFP4 loop kernel (the one ops uses) goes further for the usual global scales: no
+# per-element division at all. round_e2m1(RN(x / eff)) only depends on where |x| falls among
+# seven per-block bf16 thresholds, computed exactly once per block (_nv_thresh_blocks); the
+# elements are then compared two at a time in 16-bit lanes (_nv_word_nibbles). About 18
+# instructions per element instead of about 25: the division path spent as long computing as
+# moving the bytes.
 
 
 @triton.jit
@@ -474,21 +481,89 @@ def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TI
 
 
 @triton.jit
-def _nv_word_byte_plain(w, eff, y):
-    """_nv_word_byte without the rescale (eff known to keep Markstein's intermediates normal)."""
-    e0 = (w << 16).to(tl.float32, bitcast=True)
-    e1 = (w & -65536).to(tl.float32, bitcast=True)
-    q0 = _div_markstein(e0, eff, y)
-    q1 = _div_markstein(e1, eff, y)
-    c0 = _e2m1_code(q0) | tl.where(e0 < 0.0, 8, 0)
-    c1 = _e2m1_code(q1) | tl.where(e1 < 0.0, 8, 0)
-    return c0 | (c1 << 4)
+def _bf16_above(z):
+    """bf16 bits (int32) of the smallest bf16 value above z, a positive float64 in bf16's normal
+    range that is no bf16 value itself: its top 8 significant bits, plus one."""
+    return ((z.to(tl.int64, bitcast=True) >> 45) + (1 - (896 << 7))).to(tl.int32)  # exponent bias 1023 -> 127
 
 
 @triton.jit
-def _nv_tile(wa, wb, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr):
+def _lanes_set(s, HW: tl.constexpr):
+    """0xFFFF in each 16-bit lane of s whose top bit (15 or 31) is set, else 0."""
+    if HW:  # one PRMT: each byte takes the sign of byte 1 (lane 0) or byte 3 (lane 1)
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 0xBB99;", "=r,r", [s], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        return ((s >> 15) & 0x10001) * 0xFFFF
+
+
+@triton.jit
+def _nv_word_nibbles(w, a, c1, c2, c3, c4, c5, c6, c7, HW: tl.constexpr):
+    """E2M1 nibbles of the two bf16 of each word w (a = w & 0x7FFF7FFF: their |x| bits), in bits
+    12-15 (even element) and 28-31 (odd one), uint32.
+
+    ck = 0x8000 - T_k in both 16-bit lanes, T_k the bf16 bits of the smallest |x| whose code is
+    >= k: |x| bits + ck sets the lane's top bit exactly when |x| >= T_k (|x| bits < 2^15 and
+    ck <= 2^15, so lanes never spill into each other). The code comes from a binary search,
+    both lanes at once: T_4, then T_2 or T_6, then T_1, T_3, T_5 or T_7."""
+    m4 = _lanes_set(a + c4, HW)
+    m2 = _lanes_set(a + ((m4 & c6) | (~m4 & c2)), HW)
+    lo = (m4 & c5) | (~m4 & c1)
+    hi = (m4 & c7) | (~m4 & c3)
+    s1 = (a + ((m2 & hi) | (~m2 & lo))) >> 3  # bit 12 / 28: |x| >= T_(code | 1)
+    m42 = (m4 & 0x40004000) | (m2 & ~0x40004000)  # bit 14 / 30 from m4, 13 / 29 from m2
+    code = (m42 & 0x60006000) | (s1 & ~0x60006000)
+    sg = w & (a + 0x7FFF7FFF) & -2147450880  # bit 15 / 31 (mask 0x80008000): negative and not -0.0
+    return ((code & 0x70007000) | sg).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _nv_half_block(w, a, c1, c2, c3, c4, c5, c6, c7, HW: tl.constexpr):
+    """Packed nibbles (uint32 [NB], byte j from word j) of 4 words [NB, 4]."""
+    nb: tl.constexpr = w.shape[0]
+    v = _nv_word_nibbles(w, a, c1, c2, c3, c4, c5, c6, c7, HW)
+    ve, vo = tl.split(tl.reshape(v, [nb, 2, 2]))  # words 0, 2 / 1, 3
+    u = (ve >> 12) | (vo >> 4)  # word 2j's nibbles at bits 0-3 / 16-19, word 2j+1's at 8-11 / 24-27
+    p = (u | (u >> 12)) & 0xFFFF  # bytes 2j, 2j+1
+    p0, p1 = tl.split(p)
+    return p0 | (p1 << 16)
+
+
+@triton.jit
+def _nv_thresh_blocks(wa, wb, aa, ab, eff, HW: tl.constexpr):
+    """Packed int64 [NB] of NB blocks (words wa, wb; |x| bits aa, ab) with block divisors eff, from
+    per-block thresholds instead of a division per element."""
+    # The reference's code of x is round_e2m1(min(RN(|x| / eff), 6)), a non-decreasing function of
+    # |x| (saturation and Inf quotients included), so code >= k exactly from some bf16 T_k on:
+    # code >= k  <=>  RN(|x| / eff) >= m_k (> m_k where the tie rounds down: 0.25, 1.25, 2.5, 5)
+    #            <=>  |x| > K_k * eff, K_k the real point where float32 RN switches (m_k -+ half an
+    # ulp). K_k * eff is exact in float64 (24 x 25 significant bits) and never a bf16 value (an
+    # odd 25-bit numerator), so T_k is the next bf16 above it. 2.5 = 2 * 1.25, 5 = 4 * 1.25 and
+    # 3.5 = 2 * 1.75 give +1 / +2 on the exponent. x = +-0 codes 0 (T_1 > 0) and -0.0 gets no sign.
+    e64 = eff.to(tl.float64)
+    t1 = _bf16_above(e64 * 0.2500000149011612)   # 0.25 + 2^-26 (0.25 rounds to 0)
+    t2 = _bf16_above(e64 * 0.7499999701976776)   # 0.75 - 2^-25 (0.75 rounds to 1)
+    t3 = _bf16_above(e64 * 1.2500000596046448)   # 1.25 + 2^-24
+    t4 = _bf16_above(e64 * 1.7499999403953552)   # 1.75 - 2^-24
+    c1 = ((0x8000 - t1) * 0x10001)[:, None]
+    c2 = ((0x8000 - t2) * 0x10001)[:, None]
+    c3 = ((0x8000 - t3) * 0x10001)[:, None]
+    c4 = ((0x8000 - t4) * 0x10001)[:, None]
+    c5 = c3 - 128 * 0x10001
+    c6 = c4 - 128 * 0x10001
+    c7 = c3 - 256 * 0x10001
+    lo = _nv_half_block(wa, aa, c1, c2, c3, c4, c5, c6, c7, HW)
+    hi = _nv_half_block(wb, ab, c1, c2, c3, c4, c5, c6, c7, HW)
+    return lo.to(tl.int64) | (hi.to(tl.int64) << 32)
+
+
+@triton.jit
+def _nv_tile(wa, wb, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr, HW: tl.constexpr):
     """(packed int64 [NB], scale byte [NB], bad [NB]) of NB blocks held as two [NB, 4] word pieces."""
-    mbits = tl.maximum(_absbits_max(wa), _absbits_max(wb))
+    aa = wa & 0x7FFF7FFF  # |x| bits of both halves
+    ab = wb & 0x7FFF7FFF
+    # block max: the odd elements' is the high half of the largest word, the even ones' from words << 16
+    mbits = tl.maximum(tl.max(tl.maximum(aa, ab), axis=1) & -65536, tl.max(tl.maximum(aa << 16, ab << 16), axis=1))
     badblk = mbits >= 0x7F800000
     bamax = mbits.to(tl.float32, bitcast=True)
     if SANE:
@@ -498,9 +573,7 @@ def _nv_tile(wa, wb, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr):
         sb = tl.where(bamax == 0.0, 1.0, sb)
         sbyte = _f8_rne_byte(sb, 3, 7, 512.0, 0.015625)
         eff = _e4m3_value(sbyte) * s2
-        y = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), eff)
-        ba = _nv_word_byte_plain(wa, eff[:, None], y[:, None])
-        bb = _nv_word_byte_plain(wb, eff[:, None], y[:, None])
+        packed = _nv_thresh_blocks(wa, wb, aa, ab, eff, HW)
     else:
         sb = tl.math.div_rn(bamax, tl.full([NB], 1.0, tl.float32) * six_s2)
         sb = tl.where(sb == 0.0, 1.0, sb)
@@ -513,17 +586,18 @@ def _nv_tile(wa, wb, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr):
         y = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), effs)
         ba = _nv_word_byte(wa, scale[:, None], effs[:, None], y[:, None])
         bb = _nv_word_byte(wb, scale[:, None], effs[:, None], y[:, None])
-    shift = tl.arange(0, 4)[None, :] * 8
-    lo = tl.reduce(ba << shift, 1, _or).to(tl.int64) & 0xFFFFFFFF
-    hi = tl.reduce(bb << shift, 1, _or).to(tl.int64) << 32
-    packed = tl.where(badblk, 0, lo | hi)
+        shift = tl.arange(0, 4)[None, :] * 8
+        lo = tl.reduce(ba << shift, 1, _or).to(tl.int64) & 0xFFFFFFFF
+        hi = tl.reduce(bb << shift, 1, _or).to(tl.int64) << 32
+        packed = lo | hi
+    packed = tl.where(badblk, 0, packed)
     sbyte = tl.where(badblk, 0x7F, sbyte)
     return packed, sbyte, badblk
 
 
 @triton.jit
 def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: tl.constexpr, NB: tl.constexpr,
-             ITERS: tl.constexpr):
+             ITERS: tl.constexpr, HW: tl.constexpr):
     """ITERS consecutive tiles, the next tile's words loaded before the current one is computed."""
     blk = pid.to(tl.int64) * ITERS * NB + tl.arange(0, NB)
     row = g.to(tl.int64) * nblk + blk
@@ -537,7 +611,7 @@ def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: 
         nbase = base + NB * 8
         wa_n = tl.load(x_ptr + nbase, mask=mn[:, None], other=0)  # prefetch
         wb_n = tl.load(x_ptr + nbase + 4, mask=mn[:, None], other=0)
-        packed, sbyte, badblk = _nv_tile(wa, wb, s2, six_s2, y6, SANE, NB)
+        packed, sbyte, badblk = _nv_tile(wa, wb, s2, six_s2, y6, SANE, NB, HW)
         tl.store(w_ptr + row, packed, mask=m)
         tl.store(sc_ptr + row, sbyte.to(tl.uint8), mask=m)
         tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=badblk & m)
@@ -550,14 +624,18 @@ def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: 
 
 
 @triton.jit
-def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr, ITERS: tl.constexpr):
+def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr, ITERS: tl.constexpr,
+                                  HW: tl.constexpr):
     """nvfp4_encode_bf16_kernel over ITERS tiles per program (loads of the next tile in flight
     while one is computed), with a cheaper path for the usual global scales.
 
     For weight_scale_2 in [2^-60, 2^13] (any real weight: amax / 2688) every quotient that decides
     a byte stays in the normal range, so the block scale is also a Markstein quotient (RN(1/(6*s2))
-    once per program) and the elements need no rescale; the bound 2^13 also keeps a non-zero block
-    maximum from underflowing to a zero block scale. Other global scales take the rescaled path.
+    once per program), and every block divisor eff lies in [2^-69, 2^22], where the E2M1 decision
+    thresholds are normal bf16 values: the elements are coded by comparisons (_nv_thresh_blocks).
+    The bound 2^13 also keeps a non-zero block maximum from underflowing to a zero block scale.
+    Other global scales take the rescaled division path. HW: PRMT by inline PTX (False in
+    Triton's interpreter, which runs no PTX; the same masks then come from shifts).
     """
     pid = tl.program_id(0)
     g = tl.program_id(1)
@@ -566,6 +644,6 @@ def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB:
     six_s2 = s2 * 6.0
     y6 = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), tl.full([NB], 1.0, tl.float32) * six_s2)
     if (s2 >= 8.673617379884035e-19) & (s2 <= 8192.0):
-        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, True, NB, ITERS)
+        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, True, NB, ITERS, HW)
     else:
-        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, False, NB, ITERS)
+        _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, False, NB, ITERS, HW)

@@ -120,7 +120,8 @@ def nvfp4_encode(x: torch.Tensor, s2: torch.Tensor) -> tuple[torch.Tensor, torch
             if it:
                 grid = (triton.cdiv(n // 16, nb * it), g1 - g0)
                 K.nvfp4_encode_bf16_loop_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
-                                                      ITERS=it, num_warps=NVFP4_BF16["num_warps"])
+                                                      ITERS=it, HW=not _INTERPRETING,
+                                                      num_warps=NVFP4_BF16["num_warps"])
             else:
                 grid = (triton.cdiv(n // 16, nb), g1 - g0)
                 K.nvfp4_encode_bf16_kernel[grid](xw[g0:g1], s2[g0:g1], w64[g0:g1], sc[g0:g1], bad, n // 2, NB=nb,
