@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
-from ..layouts.hf import HFWriter, QUANT_CONFIG, write_extra_files, write_json
+from ..layouts.hf import HFWriter
 from ..layouts.megatron import (
     RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir,
     write_dcp, write_tracker,
@@ -40,7 +40,7 @@ from ..model.mapping import InklingMapping, StackedExperts, unit_of_key
 from ..model.precision import PrecisionPlan
 from ..progress import ByteProgress
 from .experts import ExpertEncoder, ScalePolicy, expert_module
-from .requantize import Result, TensorSource, decode_linear, output_config
+from .requantize import Result, TensorSource, decode_linear, output_config, write_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -322,30 +322,13 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
     config, hf_quant = output_config(reference.config, cfg, plan)
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
            "plan": str(plan), "scales": scales, "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
-    result = Result(Path(dst))
-    with Staging(dst, job, force=force) as st:
-        if st.done:
-            result.skipped = True
-            return result
-        result.resumed = st.resumed
-        writer = HFWriter(st, specs, max_shard_size)
-        total = sum(s.nbytes for s in specs)
-        todo = sum(s.nbytes for s in specs if writer.needed(s.name))
-        with ByteProgress(total, desc="megatron-to-hf", enabled=progress, initial=total - todo) as bar:
-            try:
-                _stream_to_hf(reader, m, reference, writer, encoder, {s.name: s.nbytes for s in specs}, bar.advance)
-            finally:
-                writer.abort()
-            writer.close()
-        write_json(st.path / "config.json", config)
-        if hf_quant is not None:
-            write_json(st.path / QUANT_CONFIG, hf_quant)
-        write_extra_files(reference.extra_files(), st.path)
-        result.tensors = len(specs)
-        result.bytes = total
-    if encoder.used_default_input_scale and "nvfp4" in plan.used_formats():
-        result.notes.append("NVFP4 input_scale set to 1.0 (no calibration data): calibrate before serving W4A4")
-    return result
+    sizes = {s.name: s.nbytes for s in specs}
+    return write_hf_checkpoint(
+        dst, job, specs, config, hf_quant, reference.extra_files(),
+        lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, sizes, advance),
+        encoder=encoder, plan=plan, max_shard_size=max_shard_size, force=force, progress=progress,
+        desc="megatron-to-hf",
+    )
 
 
 def _stream_to_hf(reader: TorchDistCheckpoint, m: InklingMapping, reference: TensorSource, writer: HFWriter,

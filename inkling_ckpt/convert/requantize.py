@@ -8,7 +8,6 @@ decoded to BF16 (when stored quantized) and encoded in the target format.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -17,7 +16,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..formats import get_format
-from ..layouts.hf import QUANT_CONFIG, HFWriter, write_extra_files
+from ..layouts.hf import QUANT_CONFIG, HFWriter, write_extra_files, write_json
 from ..layouts.staging import Staging
 from ..model.config import InklingConfig
 from ..model.inventory import EXPERT_PROJS, ExpertLinear, TensorSpec, expert_linears, inventory
@@ -93,6 +92,35 @@ def requantize(
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
            "reference": reference.describe() if reference is not None and reference is not src else None,
            "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
+    return write_hf_checkpoint(
+        dst, job, specs, config, hf_quant, src.extra_files(),
+        lambda writer, advance: _stream(src, writer, specs, plan, encoder, advance),
+        encoder=encoder, plan=plan, max_shard_size=max_shard_size, force=force, progress=progress, desc=command,
+    )
+
+
+def write_hf_checkpoint(
+    dst: str | Path,
+    job: dict[str, Any],
+    specs: list[TensorSpec],
+    config: dict[str, Any],
+    hf_quant: dict[str, Any] | None,
+    extra_files: dict[str, bytes],
+    produce: Callable[[HFWriter, Callable[[int], None]], None],
+    *,
+    encoder: ExpertEncoder,
+    plan: PrecisionPlan,
+    max_shard_size: int | str,
+    force: bool,
+    progress: bool,
+    desc: str,
+) -> Result:
+    """Publish an HF checkpoint of ``specs`` at ``dst``: the part every HF-writing converter shares.
+
+    ``produce(writer, advance)`` writes the tensors ``writer.needed()`` still asks for (a
+    resumed job skips finished shards). Configs and pass-through files follow; the folder is
+    published atomically, or skipped when ``dst`` already holds this job.
+    """
     result = Result(Path(dst))
     with Staging(dst, job, force=force) as st:
         if st.done:
@@ -102,16 +130,16 @@ def requantize(
         writer = HFWriter(st, specs, max_shard_size)
         total = sum(s.nbytes for s in specs)
         todo = sum(s.nbytes for s in specs if writer.needed(s.name))
-        with ByteProgress(total, desc=command, enabled=progress, initial=total - todo) as bar:
+        with ByteProgress(total, desc=desc, enabled=progress, initial=total - todo) as bar:
             try:
-                _stream(src, writer, specs, plan, encoder, bar.advance)
+                produce(writer, bar.advance)
             finally:
                 writer.abort()
             writer.close()
-        (st.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        write_json(st.path / "config.json", config)
         if hf_quant is not None:
-            (st.path / QUANT_CONFIG).write_text(json.dumps(hf_quant, indent=2) + "\n")
-        write_extra_files(src.extra_files(), st.path)
+            write_json(st.path / QUANT_CONFIG, hf_quant)
+        write_extra_files(extra_files, st.path)
         result.tensors = len(specs)
         result.bytes = total
     if encoder.used_default_input_scale and "nvfp4" in plan.used_formats():
@@ -146,4 +174,4 @@ def _stream(src: TensorSource, writer: HFWriter, specs: list[TensorSpec], plan: 
                     advance(sizes[name])
 
 
-__all__ = ["requantize", "Result", "TensorSource", "output_config", "decode_linear"]
+__all__ = ["requantize", "write_hf_checkpoint", "Result", "TensorSource", "output_config", "decode_linear"]

@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import TensorSpec, inventory, match_name
+from ..model.inventory import TensorSpec, inventory, match_name, nbytes
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import plan_from_quant_config
 from .staging import DONE_FILE, JOB_FILE, Staging
@@ -56,10 +56,7 @@ class StoredTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return nbytes(self.shape, self.dtype)
 
 
 def resolve_source(source: str | Path) -> Path:
@@ -278,10 +275,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
             a, b = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: corrupted safetensors header entry {name}") from None
-        nbytes = dtype.itemsize
-        for s in shape:
-            nbytes *= s
-        if b - a != nbytes or a < 0:
+        if b - a != nbytes(shape, dtype) or a < 0:
             raise CheckpointError(f"{path}: header of {name} disagrees with its shape and dtype")
         end = max(end, b)
         out[name] = (shape, dtype, 8 + n + a)
@@ -298,9 +292,7 @@ def _st_header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> t
     offsets: dict[str, tuple[int, int]] = {}
     pos = 0
     for name, shape, dtype in entries:
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
+        n = nbytes(shape, dtype)
         header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
         offsets[name] = (pos, pos + n)
         pos += n

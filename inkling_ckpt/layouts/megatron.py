@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError
+from ..model.inventory import nbytes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -105,10 +106,7 @@ class ChunkItem:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.sizes:
-            n *= s
-        return n
+        return nbytes(self.sizes, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -729,13 +727,7 @@ class TorchDistCheckpoint:
         return t
 
     def data_bytes(self) -> int:
-        total = 0
-        for st in self.keys.values():
-            n = st.dtype.itemsize
-            for s in st.shape:
-                n *= s
-            total += n
-        return total
+        return sum(nbytes(st.shape, st.dtype) for st in self.keys.values())
 
     def describe(self) -> dict[str, Any]:
         files = sorted({si.relative_path for si in self.metadata.storage_data.values()})

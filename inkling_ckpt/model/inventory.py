@@ -9,6 +9,7 @@ Adapting to a different real checkpoint means editing these tables, not the pipe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from enum import Enum
@@ -162,10 +163,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
+        return nbytes(self.shape, self.dtype)
 
     @property
     def module(self) -> str | None:
@@ -188,6 +186,11 @@ class ExpertLinear:
 
     def parts(self) -> list[TensorSpec]:
         return expert_parts(self)
+
+
+def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of this shape and dtype."""
+    return math.prod(shape) * dtype.itemsize
 
 
 def _shape(row: Row, dims: dict[str, int]) -> tuple[int, ...]:

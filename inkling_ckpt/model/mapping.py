@@ -2,8 +2,8 @@
 
 The table (:data:`RULES`) is data: each rule names one Megatron checkpoint key pattern and the
 HF tensor(s) it is built from, and knows how to go both ways. Patterns use ``{layer}`` (decoder
-layer), ``{mtp}`` (MTP layer) and, on the HF side of stacked experts, ``{expert}``; they compile
-to anchored regexes with named integer captures. Keys follow ``shared/spec/megatron.md``:
+layer), ``{mtp}`` (MTP layer) and, on the HF side of stacked experts, ``{expert}``; a rule expands
+them per layer. Keys follow ``shared/spec/megatron.md``:
 
 * per-layer keys (``decoder.layers.{i}.…``, no ``model.`` prefix, no layer axis), because
   Inkling's layers are not homogeneous (full-attention layers carry K/V convolutions);
@@ -48,12 +48,6 @@ _LOOPS = ("layer", "mtp")
 
 def _fields(pattern: str) -> set[str]:
     return set(_FIELD.findall(pattern))
-
-
-def _regex(pattern: str) -> re.Pattern[str]:
-    """An anchored regex for a pattern: each ``{field}`` captures a canonical integer."""
-    rx = re.sub(r"\\\{(\w+)\\\}", lambda m: f"(?P<{m.group(1)}>0|[1-9][0-9]*)", re.escape(pattern))
-    return re.compile(rx + r"\Z")
 
 
 # ---- rule types -----------------------------------------------------------------------------
@@ -263,7 +257,7 @@ def _hf_shape(cfg: InklingConfig, pattern: str) -> tuple[int, ...]:
 
 
 def _canonical(pattern: str) -> str:
-    return pattern.format(layer=0, mtp=0, expert=0) if _fields(pattern) else pattern
+    return pattern.format(layer=0, mtp=0, expert=0, vblock=0) if _fields(pattern) else pattern
 
 
 @lru_cache(maxsize=8)
@@ -272,9 +266,9 @@ def _hf_shapes(cfg: InklingConfig) -> dict[str, tuple[int, ...]]:
     plan = PrecisionPlan.uniform("bf16", cfg.num_hidden_layers)
     shapes: dict[str, tuple[int, ...]] = {}
     for s in inventory(cfg, plan):
-        # K/V convolutions exist on full-attention layers only; every layer's shape is the same.
-        name = re.sub(r"^(model\.language_model\.layers|mtp\.layers)\.\d+\.", r"\1.0.", s.name)
-        name = re.sub(r"\.experts\.\d+\.", ".experts.0.", name)
+        # Every layer's tensor of one row has the same shape (K/V convolutions exist on
+        # full-attention layers only, so take the first occurrence of each row).
+        name = _canonical(s.row.pattern) + (f".{s.part}" if s.part is not None else "")
         shapes.setdefault(name, s.shape)
     return shapes
 

@@ -20,7 +20,7 @@ from typing import Iterable, Iterator, Sequence
 from ..errors import PlanError
 from ..formats import get_format
 from ..model.config import InklingConfig
-from ..model.inventory import TensorSpec
+from ..model.inventory import TensorSpec, nbytes
 from ..model.precision import PrecisionPlan
 from .rules import Rule, Split, rule_of
 
@@ -173,10 +173,7 @@ class Placement:
 
     @property
     def local_nbytes(self) -> int:
-        n = self.spec.dtype.itemsize
-        for s in self.local_shape:
-            n *= s
-        return n
+        return nbytes(self.local_shape, self.spec.dtype)
 
     def piece_range(self, piece: int) -> tuple[int, int]:
         """[start, stop) of ``piece`` along ``dim``."""
