@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import filecmp
+import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -37,3 +39,18 @@ def same_files(a: Path, b: Path, ignore_hidden: bool = True) -> list[str]:
         names = {n for n in names if not n.startswith(".")}
     return sorted(n for n in names
                   if not (a / n).is_file() or not (b / n).is_file() or not filecmp.cmp(a / n, b / n, shallow=False))
+
+
+def free_port() -> str:
+    """A TCP port on loopback that nothing listens on now (for torchrun / gloo rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment for a child process running this checkout, one thread per process."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -12,26 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, same_files
+from conftest import TINY, free_port, same_files, subprocess_env
 from inkling_ckpt.errors import CheckpointError
 from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
 
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def _cli(*args: object) -> list[str]:
@@ -52,16 +36,16 @@ def small_mixed(tmp_path_factory) -> Path:
     """A bigger mixed checkpoint (8 layers, 16 experts) so a conversion takes a few seconds."""
     out = tmp_path_factory.mktemp("small") / "small-mixed"
     subprocess.run(_cli("make-fixture", out, "--size", "small", "--variant", "mixed", "--max-shard-size", "8MB", "-q"),
-                   check=True, env=_env(), capture_output=True)
+                   check=True, env=subprocess_env(), capture_output=True)
     return out
 
 
 def test_torchrun_two_ranks_write_the_one_process_checkpoint(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
-    subprocess.run(_cli("convert", "hf-to-megatron", TINY["mixed"], one, "-q"), check=True, env=_env(), capture_output=True)
-    r = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", _free_port(), "-m", "inkling_ckpt",
+    subprocess.run(_cli("convert", "hf-to-megatron", TINY["mixed"], one, "-q"), check=True, env=subprocess_env(), capture_output=True)
+    r = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", free_port(), "-m", "inkling_ckpt",
                         "convert", "hf-to-megatron", str(TINY["mixed"]), str(two), "-q"],
-                       env=_env(), capture_output=True, text=True, timeout=300)
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     # Same files, same bytes: tensors, .metadata, common.pt, metadata.json and the done marker.
     assert _same_tree(one, two) == []
@@ -69,7 +53,7 @@ def test_torchrun_two_ranks_write_the_one_process_checkpoint(tmp_path):
 
 def _kill_midway(cmd: list[str], dst: Path, staging: Path, rng: random.Random, window: float) -> bool:
     """Start ``cmd``, wait until it is writing, kill -9 at a random moment; True if it died unfinished."""
-    p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not staging.exists() and p.poll() is None and time.time() < deadline:
         time.sleep(0.002)
@@ -86,7 +70,7 @@ def _kill_midway(cmd: list[str], dst: Path, staging: Path, rng: random.Random, w
 def test_kill_9_then_rerun_gives_the_uninterrupted_output(tmp_path, small_mixed, seed):
     rng = random.Random(seed)
     ref, out = tmp_path / "ref", tmp_path / "out"
-    subprocess.run(_cli("convert", "hf-to-megatron", small_mixed, ref, "-q"), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cli("convert", "hf-to-megatron", small_mixed, ref, "-q"), check=True, env=subprocess_env(), capture_output=True)
     staging = tmp_path / ".out.inkling-partial"
     killed = False
     window = 1.0
@@ -100,16 +84,16 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_output(tmp_path, small_mixed,
     assert not out.exists()
     with pytest.raises(CheckpointError):
         TorchDistCheckpoint.open(staging)
-    r = subprocess.run(_cli("convert", "hf-to-megatron", small_mixed, out), env=_env(), capture_output=True, text=True)
+    r = subprocess.run(_cli("convert", "hf-to-megatron", small_mixed, out), env=subprocess_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert _same_tree(ref, out) == []
 
 
 def test_kill_9_during_megatron_to_hf_then_rerun(tmp_path):
     mg, ref, out = tmp_path / "mg", tmp_path / "ref", tmp_path / "out"
-    subprocess.run(_cli("convert", "hf-to-megatron", TINY["mixed"], mg, "-q"), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cli("convert", "hf-to-megatron", TINY["mixed"], mg, "-q"), check=True, env=subprocess_env(), capture_output=True)
     args = ("convert", "megatron-to-hf", mg, "--reference", TINY["mixed"], "--max-shard-size", "1MB", "-q")
-    subprocess.run(_cli(*args[:3], ref, *args[3:]), check=True, env=_env(), capture_output=True)
+    subprocess.run(_cli(*args[:3], ref, *args[3:]), check=True, env=subprocess_env(), capture_output=True)
     rng = random.Random(7)
     staging = tmp_path / ".out.inkling-partial"
     window, killed = 0.5, False
@@ -119,6 +103,6 @@ def test_kill_9_during_megatron_to_hf_then_rerun(tmp_path):
             break
         window /= 2
     assert killed and not out.exists()
-    r = subprocess.run(_cli(*args[:3], out, *args[3:]), env=_env(), capture_output=True, text=True)
+    r = subprocess.run(_cli(*args[:3], out, *args[3:]), env=subprocess_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert same_files(ref, out) == []

@@ -6,7 +6,6 @@ runs on CPU with a gloo group, see shared/reference/megatron.md §4). Skipped wh
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -15,27 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, free_port, subprocess_env
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (test-only dependency)")
 pytest.importorskip("psutil", reason="megatron-core needs psutil")
 
 SCRIPT = ROOT / "tests" / "_mcore_load.py"
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return str(sock.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +35,7 @@ def converted(tmp_path_factory) -> Path:
 def test_megatron_core_loads_every_value(converted):
     """dist_checkpointing.load, default strictness, one process: every value equals the HF source."""
     r = subprocess.run([sys.executable, str(SCRIPT), "load", str(converted / "release"), str(TINY["mixed"])],
-                       capture_output=True, text=True, env=_env(), timeout=300)
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -59,9 +43,9 @@ def test_megatron_core_loads_every_value(converted):
 def test_megatron_core_loads_as_expert_parallel_2(converted):
     """The same checkpoint loaded by two ranks, each holding half of every layer's experts."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", _free_port(), str(SCRIPT), "load",
+    r = subprocess.run([torchrun, "--nproc_per_node", "2", "--master_port", free_port(), str(SCRIPT), "load",
                         str(converted / "release"), str(TINY["mixed"])],
-                       capture_output=True, text=True, env=_env(), timeout=300)
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0 and r.stdout.count("OK") == 2, r.stdout[-2000:] + r.stderr[-4000:]
 
 
@@ -79,9 +63,9 @@ def test_checkpoint_saved_by_megatron_core_converts_back_byte_identical(tmp_path
     if ranks == 1:
         cmd = [sys.executable, str(SCRIPT), "save", str(ckpt), str(TINY["mixed"])]
     else:
-        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", _free_port(),
+        cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", free_port(),
                str(SCRIPT), "save", str(ckpt), str(TINY["mixed"])]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert r.returncode == 0 and r.stdout.count("SAVED") == ranks, r.stdout[-2000:] + r.stderr[-4000:]
     saved = TorchDistCheckpoint.open(ckpt)
     fc1 = saved.keys["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"]

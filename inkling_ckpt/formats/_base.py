@@ -200,3 +200,10 @@ def negative_nonzero_bit(xb: torch.Tensor, bit: int) -> torch.Tensor:
 def check_out_dtype(dtype: torch.dtype) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise FormatError(f"decode: target dtype must be a float dtype, got {dtype}")
+
+
+def reject_nvfp4_options(fmt_name: str, name: str, what: str, **options: object) -> None:
+    """FormatError when a format without a global scale is handed NVFP4's scale options."""
+    for opt, v in options.items():
+        if v is not None:
+            raise FormatError(f"{fmt_name}: {name}: {opt} is an NVFP4 option; {what}")

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import FormatError
-from ._base import Format, Parts, PartSpec, check_out_dtype, raise_nonfinite, row_chunks
+from ._base import Format, Parts, PartSpec, check_out_dtype, raise_nonfinite, reject_nvfp4_options, row_chunks
 
 
 class BF16Format(Format):
@@ -36,9 +36,8 @@ class BF16Format(Format):
         allow_nonfinite: bool = False,
     ) -> Parts:
         """Return ``{"weight": x}`` for a bfloat16 ``x``; FormatError for any other dtype (no silent casts)."""
-        for opt, v in (("weight_scale_2", weight_scale_2), ("global_amax", global_amax), ("input_scale", input_scale)):
-            if v is not None:
-                raise FormatError(f"bf16: {name}: {opt} is an NVFP4 option; bf16 has no scales")
+        reject_nvfp4_options("bf16", name, "bf16 has no scales", weight_scale_2=weight_scale_2, global_amax=global_amax,
+                             input_scale=input_scale)
         if not isinstance(x, torch.Tensor):
             raise FormatError(f"bf16: {name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype != torch.bfloat16:

@@ -43,6 +43,7 @@ from ._base import (
     check_out_dtype,
     check_width,
     raise_nonfinite,
+    reject_nvfp4_options,
     require_parts,
     row_chunks,
 )
@@ -147,9 +148,8 @@ class MXFP8Format(Format):
         allow_nonfinite: bool = False,
     ) -> Parts:
         """Encode ``x`` ([..., in], in % 32 == 0) to MXFP8 parts (see the module docstring)."""
-        for opt, v in (("weight_scale_2", weight_scale_2), ("global_amax", global_amax), ("input_scale", input_scale)):
-            if v is not None:
-                raise FormatError(f"mxfp8: {name}: {opt} is an NVFP4 option; MXFP8 has no global scale")
+        reject_nvfp4_options("mxfp8", name, "MXFP8 has no global scale", weight_scale_2=weight_scale_2, global_amax=global_amax,
+                             input_scale=input_scale)
         rows, width = check_input(self.name, x, name, BLOCK)
         x2 = x.detach().contiguous().view(rows, width)
         nb = width // BLOCK
