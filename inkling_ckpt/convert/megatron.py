@@ -148,14 +148,23 @@ def plan_megatron(m: InklingMapping) -> tuple[list[ChunkItem], list[ObjectItem],
     return chunks, objects, unit_no
 
 
-def describe_hf_to_megatron(src: TensorSource, *, pad_vocab_to_multiple: int | None = None, ranks: int = 1) -> dict[str, Any]:
-    """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
+def _validated_plan(src: TensorSource, pad_vocab_to_multiple: int | None):
+    """Check the source against the mapping and plan its chunks; also the bytes of each unit.
+
+    Shared by ``hf_to_megatron`` and its ``--dry-run`` so both validate and size alike.
+    """
     m = InklingMapping(src.cfg, pad_vocab_to_multiple=pad_vocab_to_multiple)
     m.check_source(logical_names(src), str(getattr(src, "root", "source")))
-    chunks, objects, _ = plan_megatron(m)
+    chunks, objects, unit_no = plan_megatron(m)
     sizes: dict[str, int] = {}
     for c in chunks:
         sizes[m.units[c.unit]] = sizes.get(m.units[c.unit], 0) + c.nbytes
+    return m, chunks, objects, unit_no, sizes
+
+
+def describe_hf_to_megatron(src: TensorSource, *, pad_vocab_to_multiple: int | None = None, ranks: int = 1) -> dict[str, Any]:
+    """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
+    m, chunks, objects, _, sizes = _validated_plan(src, pad_vocab_to_multiple)
     owner = assign_units(sizes, World(0, ranks))
     return {
         "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan),
@@ -170,12 +179,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
                    force: bool = False, progress: bool = True) -> Result:
     """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
     world = current_world()
-    m = InklingMapping(src.cfg, pad_vocab_to_multiple=pad_vocab_to_multiple)
-    m.check_source(logical_names(src), str(getattr(src, "root", "source")))
-    chunks, objects, unit_no = plan_megatron(m)
-    sizes: dict[str, int] = {}
-    for c in chunks:
-        sizes[m.units[c.unit]] = sizes.get(m.units[c.unit], 0) + c.nbytes
+    m, chunks, objects, unit_no, sizes = _validated_plan(src, pad_vocab_to_multiple)
     owner = assign_units(sizes, world)
     mine = {unit_no[u] for u, r in owner.items() if r == world.rank}
     my_chunks = [c for c in chunks if c.unit in mine]
