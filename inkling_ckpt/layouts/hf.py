@@ -23,14 +23,13 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import TensorSpec, inventory, match_name, nbytes
+from ..model.inventory import FLOAT_DTYPES, Category, Scope, TensorSpec, detect_plan, inventory, is_vision, match_name, nbytes
 from ..model.precision import PrecisionPlan
-from ..model.quant_config import plan_from_quant_config
+from ..model.quant_config import check_quant_config
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-QUANT_CONFIG = "hf_quant_config.json"
 SHARD_PATTERN = "model{suffix}.safetensors"
 DEFAULT_MAX_SHARD = "5GB"
 
@@ -41,7 +40,8 @@ DTYPE_TO_ST = {
 }
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 # Files a writer produces itself; everything else at the top of a source folder is copied through.
-_OWN_FILES = {INDEX, SINGLE, "config.json", QUANT_CONFIG, DONE_FILE, JOB_FILE}
+# hf_quant_config.json is not part of the Inkling 2 release layout (nothing that loads it reads it): never copied.
+_OWN_FILES = {INDEX, SINGLE, "config.json", "hf_quant_config.json", DONE_FILE, JOB_FILE}
 
 
 @dataclass(frozen=True)
@@ -81,24 +81,21 @@ def resolve_source(source: str | Path) -> Path:
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
-    def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, hf_quant: dict[str, Any] | None,
-                 plan: PrecisionPlan, tensors: dict[str, StoredTensor]):
+    def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan,
+                 tensors: dict[str, StoredTensor]):
         self.root = root
         self.config = config
         self.cfg = cfg
-        self.hf_quant = hf_quant
         self.plan = plan
         self.tensors = tensors
         self._handles: OrderedDict[str, Any] = OrderedDict()
 
     @classmethod
     def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
-        """Read config, quantization config and every shard header; validate against the model table."""
+        """Read the config and every shard header; each layer's expert format comes from the tensors present."""
         root = resolve_source(source)
         config = read_json(root / "config.json")
         cfg = InklingConfig.from_dict(config)
-        hf_quant = read_json(root / QUANT_CONFIG) if (root / QUANT_CONFIG).is_file() else None
-        plan = plan_from_quant_config(cfg, hf_quant, config.get("quantization_config"))
         files = _weight_map(root)
         tensors: dict[str, StoredTensor] = {}
         by_file: dict[str, list[str]] = {}
@@ -113,18 +110,33 @@ class HFCheckpoint:
                 if name not in files:
                     raise CheckpointError(f"{root / f}: holds {name}, which the index does not list")
                 tensors[name] = StoredTensor(name, f, *st)
-        ckpt = cls(root, config, cfg, hf_quant, plan, tensors)
+        plan = detect_plan(cfg, {n: t.dtype for n, t in tensors.items()}, str(root))
+        check_quant_config(config, plan, str(root))
+        ckpt = cls(root, config, cfg, plan, tensors)
         if validate:
             ckpt.validate()
         return ckpt
 
     def expected(self) -> list[TensorSpec]:
-        """The inventory this checkpoint must hold, given its config and plan."""
-        return inventory(self.cfg, self.plan)
+        """The inventory this checkpoint holds: its config and plan, with its own non-expert dtypes and vision tensors."""
+        return inventory(self.cfg, self.plan, dtypes=self.dtypes(), vision=self.vision_specs())
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Stored dtypes of the non-expert tensors (kept as they are by every writer)."""
+        return {n: t.dtype for n, t in self.tensors.items() if t.dtype in FLOAT_DTYPES}
+
+    def vision_specs(self) -> list[TensorSpec]:
+        """The vision tower's tensors as stored (passed through by prefix), in name order."""
+        return [TensorSpec(n, t.shape, t.dtype, Category.VISION, None) for n, t in sorted(self.tensors.items())
+                if is_vision(n)]
 
     def validate(self) -> None:
         """Every expected tensor present with the right shape and dtype, nothing unexpected."""
         check_against_inventory(self.tensors, self.expected(), where=str(self.root))
+        for n, t in self.tensors.items():
+            if t.dtype not in FLOAT_DTYPES and match_name(n) is not None and match_name(n).row.scope is not Scope.EXPERTS:
+                raise CheckpointError(f"{self.root}: {n} is stored as {DTYPE_TO_ST.get(t.dtype, t.dtype)}; non-expert "
+                                      "tensors must be BF16, F16 or F32")
 
     def get(self, name: str) -> torch.Tensor:
         """Read one whole tensor into a fresh CPU tensor.
@@ -411,5 +423,5 @@ def parse_size(size: str | int) -> int:
 
 __all__ = [
     "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "check_against_inventory",
-    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX", "QUANT_CONFIG",
+    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX",
 ]
