@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import filecmp
+import importlib
 import os
 import socket
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -13,6 +15,18 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 TINY = {v: FIXTURES / f"tiny-{v}" for v in ("bf16", "mixed", "mxfp8")}
 TINY_PLAN = "0-1:nvfp4,2-3:mxfp8"
+
+
+def oracle(module: str, package: str) -> ModuleType:
+    """Import a test-only package (an oracle the README's test command installs via the ``test`` extra).
+
+    Missing, the test skips and says which package to install. Under CI (``CI=true``) the test
+    command has installed every oracle, so a missing one is an error there, not a quiet skip.
+    """
+    __tracebackhide__ = True  # pytest reports the skip at the calling test, not here
+    if os.environ.get("CI", "").lower() in ("1", "true"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"{package} is not installed (test-only: pip install -e '.[test]')")
 
 
 @pytest.fixture
