@@ -85,7 +85,7 @@ def _rank() -> int:
 
 def _scales(value: str) -> str:
     if value not in SCALE_POLICIES:
-        raise PlanError(f"--scales {value!r}; choose one of {', '.join(SCALE_POLICIES)}")
+        raise PlanError(f"--scales {value!r} is not a scale policy; choose one of {', '.join(SCALE_POLICIES)}")
     return value
 
 

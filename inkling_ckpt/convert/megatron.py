@@ -293,7 +293,7 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
     reader.unstack_layers(reference.cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != reference.cfg.num_hidden_layers:
-        raise PlanError(f"plan covers {len(plan)} layers, the reference has {reference.cfg.num_hidden_layers}")
+        raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {reference.cfg.num_hidden_layers}")
     m = InklingMapping(reference.cfg)
     check_torch_dist(reader, m)
     specs = inventory(reference.cfg, plan)
@@ -317,7 +317,7 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
-        raise PlanError(f"plan covers {len(plan)} layers, the reference has {cfg.num_hidden_layers}")
+        raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
     m = InklingMapping(cfg)
     check_torch_dist(reader, m)
     encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" or reference.plan.variant != "bf16" else None,
