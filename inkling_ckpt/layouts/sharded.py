@@ -116,12 +116,13 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[:-1])
 
 
-def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``[start, stop)`` blocks of dim-0 rows of about ``limit`` bytes (a scalar is one block of one "row")."""
+def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int | None = None) -> list[tuple[int, int]]:
+    """``[start, stop)`` blocks of dim-0 rows of about ``limit`` bytes (default :data:`CHUNK_BYTES`;
+    at least one row); a scalar is one block of one "row"."""
     if not shape:
         return [(0, 1)]
     row = max(1, nbytes(shape[1:], dtype))
-    step = max(1, limit // row)
+    step = max(1, (limit or CHUNK_BYTES) // row)
     return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
 
 
@@ -561,7 +562,7 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{name}: rows {start}:{stop} outside its {rows} rows")
         return from_bytes(self._rows(name, start, stop), ST_TO_DTYPE[t["dtype"]])
 
-    def iter_raw(self, name: str, limit: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[bytes]:
         """The global tensor's bytes in blocks of dim-0 rows."""
         t = self.tensors[name]
         for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):
