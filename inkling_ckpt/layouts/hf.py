@@ -340,6 +340,7 @@ class HFWriter:
         self.is_sharded = split.is_sharded
         self.weight_map = dict(split.tensor_to_filename)
         self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
+        self._rows: dict[str, int] = {}  # rows written so far of tensors written in slices
         for f, shard in self.shards.items():
             if staging.is_finished(f):
                 shard.remaining.clear()
@@ -351,13 +352,38 @@ class HFWriter:
         return [n for n in self.specs if self.needed(n)]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        """Write a whole planned tensor."""
+        spec = self._spec(name)
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise CheckpointError(
                 f"writer: {name} is {tensor.dtype} {list(tensor.shape)}, planned {spec.dtype} {list(spec.shape)}"
             )
+        self._put(name, 0, tensor, spec.shape[0] if spec.shape else 1)
+
+    def write_rows(self, name: str, start: int, tensor: torch.Tensor) -> None:
+        """Write rows ``start:start+len(tensor)`` (along dim 0) of a planned tensor.
+
+        Stacked experts arrive a few experts at a time, so memory stays bounded by a slice, not
+        a layer. The tensor counts as written once every row has been.
+        """
+        spec = self._spec(name)
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (not spec.shape or tensor.dtype != spec.dtype or tuple(tensor.shape[1:]) != spec.shape[1:]
+                or start < 0 or start + n > spec.shape[0]):
+            raise CheckpointError(
+                f"writer: rows {start}:{start + n} of {name} as {tensor.dtype} {list(tensor.shape)} do not fit the "
+                f"planned {spec.dtype} {list(spec.shape)}"
+            )
+        self._put(name, start, tensor, n)
+
+    def _spec(self, name: str) -> TensorSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        return spec
+
+    def _put(self, name: str, start: int, tensor: torch.Tensor, rows: int) -> None:
+        spec = self.specs[name]
         shard = self.shards[self.weight_map[name]]
         if name not in shard.remaining:
             return
@@ -367,9 +393,16 @@ class HFWriter:
             shard.fh.write(shard.header)
             shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
         a, _ = shard.offsets[name]
-        shard.fh.seek(len(shard.header) + a)
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
+        shard.fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         shard.fh.write(memoryview(data))
+        total = spec.shape[0] if spec.shape else 1
+        done = self._rows.get(name, 0) + rows
+        if done < total:
+            self._rows[name] = done
+            return
+        self._rows.pop(name, None)
         shard.remaining.discard(name)
         if not shard.remaining:
             shard.fh.close()
