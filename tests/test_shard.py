@@ -102,6 +102,18 @@ def test_shard_merge_byte_identical(tiny_release, variant, tp, ep, tmp_path):
     assert _files(tmp_path / "back") == _files(src)
 
 
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("variant,tp,ep", [("bf16", 4, 4), ("bf16", 2, 1), ("mixed", 2, 2), ("mxfp8", 4, 2)])
+def test_bundled_fixtures_round_trip(variant, tp, ep, tmp_path):
+    src = FIXTURES / f"tiny-{variant}"
+    shard(src, tmp_path / "sh", tp, ep, progress=False)
+    _check_ranks(src, tmp_path / "sh", tp, ep)
+    merge(tmp_path / "sh", tmp_path / "back", progress=False)
+    assert _files(tmp_path / "back") == _files(src)
+
+
 def test_rank_folders_are_slices_of_the_transformers_model(tiny_release, tmp_path):
     """Each rank's tensors equal the TP/EP slices of the parameters transformers loads (tp 4, ep 2)."""
     sd = tiny_release["model"].state_dict()
