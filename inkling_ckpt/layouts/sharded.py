@@ -44,7 +44,7 @@ import torch
 
 from ..errors import CheckpointError, IntegrityError
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import Category, TensorSpec, detect_plan, match_name, nbytes
+from ..model.inventory import Category, TensorSpec, detect_plan, inventory, is_vision, nbytes
 from ..model.precision import PrecisionPlan
 from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import SPLITS
@@ -545,18 +545,14 @@ class ShardedCheckpoint:
         """Stored dtype of every tensor."""
         return {n: ST_TO_DTYPE[t["dtype"]] for n, t in self.tensors.items()}
 
+    def vision_specs(self) -> list[TensorSpec]:
+        """The vision tower's tensors as stored (passed through by prefix), in name order."""
+        return [TensorSpec(n, tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], Category.VISION, None)
+                for n, t in sorted(self.tensors.items()) if is_vision(n)]
+
     def expected(self) -> list[TensorSpec]:
         """The tensors of the source checkpoint, as :meth:`HFCheckpoint.expected` gives them."""
-        out = []
-        for name, t in self.tensors.items():
-            m = match_name(name)
-            shape, dtype = tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]]
-            if m is None:  # the vision tower, passed through by prefix
-                out.append(TensorSpec(name, shape, dtype, Category.VISION, None))
-            else:
-                fmt = self.plan.format_of(m.layer) if m.part is not None else None
-                out.append(TensorSpec(name, shape, dtype, m.row.category, m.row, layer=m.layer, fmt=fmt, part=m.part))
-        return out
+        return inventory(self.cfg, self.plan, dtypes=self.dtypes(), vision=self.vision_specs())
 
     def extra_files(self) -> dict[str, bytes]:
         """The source's pass-through files (tokenizer, generation config, ...), as HFCheckpoint gives them."""
