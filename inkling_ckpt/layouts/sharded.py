@@ -484,11 +484,12 @@ class ShardedCheckpoint:
         fd = self._fds.get(rel)
         if fd is None:
             fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
-        data = os.pread(fd, count, a + start * row)
-        if len(data) != count:
+        buf = torch.empty(count, dtype=torch.uint8)
+        got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0
+        if got != count:
             raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
         shape = (stop - start, *local[1:]) if local else ()
-        return bytes_to_tensor(bytearray(data), (*shape, dtype.itemsize), torch.uint8)
+        return buf.reshape(*shape, dtype.itemsize)
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``name`` as bytes, from the lowest rank holding each piece."""
@@ -525,11 +526,11 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{name}: rows {start}:{stop} outside its {rows} rows")
         return from_bytes(self._rows(name, start, stop), ST_TO_DTYPE[t["dtype"]])
 
-    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[bytes]:
+    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[memoryview]:
         """The global tensor's bytes in blocks of dim-0 rows."""
         t = self.tensors[name]
         for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):
-            yield self._rows(name, a, b).numpy().tobytes()
+            yield memoryview(self._rows(name, a, b).contiguous().reshape(-1).numpy())
 
     def raw(self, name: str) -> bytes:
         """The global tensor's bytes, reassembled from the lowest rank holding each piece."""
@@ -610,7 +611,8 @@ def _check_inner(man: dict[str, Any], where: Path) -> None:
         try:
             dim, pieces, holders, shape = inner["dim"], inner["pieces"], inner["holders"], t["shape"]
             ok = (type(dim) is int and type(pieces) is int and pieces >= 1 and isinstance(holders, list)
-                  and len(holders) == tp and 0 <= dim < len(shape) and dim != t["dim"] and shape[dim] % pieces == 0
+                  and len(holders) == tp and t["dim"] is not None and 0 <= dim < len(shape) and dim != t["dim"]
+                  and shape[dim] % pieces == 0
                   and all((h is None) == (o is None) and (h is None or (type(h) is int and 0 <= h < pieces))
                           for h, o in zip(holders, t["holders"]))
                   and {(o, h) for o, h in zip(t["holders"], holders) if o is not None}
