@@ -238,6 +238,8 @@ def test_manifest_records_rules_ownership_and_checksums(tiny_release, tmp_path):
     assert (w13["dim"], w13["pieces"], w13["holders"]) == (0, 2, [0, 0, 1, 1])
     assert w13["inner"] == {"dim": 1, "pieces": 2, "holders": [0, 1, 0, 1]} and w13["local_shape"] == [4, 64, 64]
     assert man["rules"][f"{L}.{{layer}}.mlp.experts.w13_weight"]["pairs"] is True
+    assert man["version"] == 2 and man["expert_parts"]["_amax"] == {"ep": True, "moe_tp": False}
+    assert man["expert_parts"]["_outer_scale_denominator"] == {"ep": False, "moe_tp": False}
     for rel, info in man["files"].items():
         assert (tmp_path / "sh" / rel).stat().st_size == info["bytes"] and len(info["sha256"]) == 64
     assert all(r["bytes"] > 0 for r in man["ranks"])
