@@ -216,6 +216,13 @@ def test_sharded_folder_reads_back_as_the_source(tiny_release, tmp_path):
         [(s.name, s.shape, s.dtype, s.part) for s in sorted(src.expected(), key=lambda s: s.name)]
     for name in src.tensors:
         assert _same(sc.get(name), src.get(name)), name
+    # row ranges across piece boundaries: vocab rows, a column cut, EP x moe-TP cuts, KV replication
+    for name, a, b in (("model.llm.embed.weight", 60, 200), (f"{L}.1.attn.wo_ud.weight", 3, 10),
+                       (f"{L}.2.mlp.experts.w2_weight", 3, 6), (f"{L}.2.mlp.experts.w13_weight_scale", 2, 7),
+                       (f"{L}.1.attn.wk_dv.weight", 5, 13), (f"{L}.3.mlp.experts.w2_weight", 4, 4)):
+        assert _same(sc.read_rows(name, a, b), src.read_rows(name, a, b)), name
+    with pytest.raises(CheckpointError, match="outside"):
+        sc.read_rows(f"{L}.2.mlp.experts.w2_weight", 6, 9)
     assert set(sc.extra_files()) == {"generation_config.json"}
     sc.close()
 

@@ -515,6 +515,8 @@ class ShardedCheckpoint:
                 return torch.cat([assemble(k + 1, {**piece, i: j}) for j in range(cuts[i].pieces)], dim=cuts[i].dim)
 
             out.append(assemble(0, {}))
+        if not out:  # an empty row range
+            return torch.empty((0, *shape[1:], ST_TO_DTYPE[self.tensors[name]["dtype"]].itemsize), dtype=torch.uint8)
         return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
