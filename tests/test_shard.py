@@ -157,6 +157,20 @@ def test_rank_folders_are_slices_of_the_transformers_model(tiny_release, tmp_pat
         assert _same(un[:real], lm[64 * rank:64 * rank + real]) and not un[real:].any()
 
 
+def test_a_single_rank_folder_loads_in_transformers(tiny_release, tmp_path):
+    """At tp 1 the rank folder is the whole model: with the source's config it loads in transformers
+    with no missing or unexpected keys, and its parameters equal the source's."""
+    from _tiny_tf import load
+
+    shard(tiny_release["bf16"], tmp_path / "sh", 1, 1, progress=False)
+    rank = tmp_path / "sh" / "rank-00"
+    (rank / "config.json").write_bytes((tmp_path / "sh" / "source" / "config.json").read_bytes())
+    model, info = load(rank)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    want = tiny_release["model"].state_dict()
+    assert all(_same(t, want[k]) for k, t in model.state_dict().items())
+
+
 def test_moe_tp_block_scales_follow_their_rows(tiny_release, tmp_path):
     """MXFP8 at tp 4, ep 2: a rank's (w13, scale) decodes to its moe-TP slice of the decoded layer."""
     src = HFCheckpoint.open(tiny_release["mxfp8"])
