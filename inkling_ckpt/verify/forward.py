@@ -231,9 +231,10 @@ _EXPERT_PART = re.compile(r"^(?P<base>.+\.mlp\.experts\.w(?:13|2)_weight)(?P<suf
 
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 
-#: Expert formats of the release layout: suffix -> allowed stored dtypes (spec/inkling2.md).
+#: Expert formats of the release layout: suffix -> allowed stored dtypes (spec/inkling2.md). The
+#: unquantized one is reported by its stored dtype (bf16, f16, f32).
 EXPERT_FORMATS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
-    "bf16": {"": (torch.bfloat16,)},
+    "bf16": {"": (torch.bfloat16, torch.float16, torch.float32)},  # unquantized, whatever float it is stored in
     "mxfp8": {"": (torch.float8_e4m3fn,), "_scale": tuple(d for d in (torch.uint8, _E8M0) if d is not None)},
     "nvfp4": {"": (torch.uint8,), "_scale": (torch.float8_e4m3fn,), "_amax": (torch.float32,),
               "_outer_scale_denominator": (torch.float32,)},
@@ -254,7 +255,7 @@ def expert_format(base: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dt
         raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
     e, rows, cols = shape
     if fmt == "bf16":
-        return fmt, shape
+        return _PLAIN_NAMES[parts[""][1]], shape
     if fmt == "mxfp8":
         want = {"_scale": (e, rows, cols // 32)}
         full = (e, rows, cols)
@@ -274,6 +275,10 @@ def expert_format(base: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dt
     return fmt, full
 
 
+_PLAIN_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+QUANTIZED = ("mxfp8", "nvfp4")
+
+
 # TODO(swap): replace with the stacked-expert decode of inkling_ckpt.formats once it lands on main.
 def decode_stacked_experts(fmt: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """Decode one stacked expert linear (``{suffix: tensor}``, release layout) to ``dtype`` [E, rows, cols].
@@ -284,8 +289,8 @@ def decode_stacked_experts(fmt: str, parts: Mapping[str, torch.Tensor], dtype: t
     float32 temporaries stay bounded.
     """
     w = parts[""]
-    if fmt == "bf16":
-        return w.to(dtype)
+    if fmt not in QUANTIZED:
+        raise CheckpointError(f"decode_stacked_experts: {fmt!r} is not a quantized expert format")
     e, rows = w.shape[:2]
     cols = w.shape[2] * (2 if fmt == "nvfp4" else 1)
     out = torch.empty((e, rows, cols), dtype=dtype, device=w.device)
@@ -432,7 +437,8 @@ class StreamedModel:
                 raise CheckpointError(f"{self.folder}: {base}{sorted(parts)[0]} without {base}")
             fmt, shape = expert_format(base, parts)
             target, conv = self._rename(base)
-            sources.append((_Source(base, target, conv, fmt, tuple(sorted(parts))), shape, self.dtype))
+            dt = self.dtype if fmt in QUANTIZED else parts[""][1]
+            sources.append((_Source(base, target, conv, fmt, tuple(sorted(parts))), shape, dt))
 
         for src, shape, dt in sources:
             if any(src.target.startswith(p + ".") for p in skip):
@@ -503,7 +509,7 @@ class StreamedModel:
         stored = self.read(unit) if stored is None else stored
         state: dict[str, dict[str, torch.Tensor]] = {p: {} for p, _ in unit.modules}
         for s in unit.sources:
-            if s.fmt is None:
+            if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
                 t = stored[s.base]
             else:
                 t = decode_stacked_experts(s.fmt, {p: stored[s.base + p] for p in s.parts}, self.dtype)
