@@ -59,6 +59,8 @@ SINGLE = "model.safetensors"
 #: Working-set budget of the expert decode, in float32 elements (~0.5 GiB): bounds the temporaries
 #: whatever the layer size, large enough that per-op overhead is negligible.
 DECODE_CHUNK_ELEMS = 1 << 27
+#: On CPU, chunks that stay in cache (the decode is memory-bound).
+CPU_DECODE_CHUNK_ELEMS = 1 << 18
 
 
 class MissingDependency(InklingError):
@@ -285,33 +287,44 @@ def decode_stacked_experts(fmt: str, parts: Mapping[str, torch.Tensor], dtype: t
 
     MXFP8 uses the toolkit codec (any leading dims). NVFP4 uses the release order
     ``(e2m1 × float32(block_scale)) × (amax / denominator)`` in float32, then the cast, which is
-    bit-identical to transformers' ``Inkling2LoopDequantizeExperts``. Works in expert chunks so the
-    float32 temporaries stay bounded.
+    bit-identical to transformers' ``Inkling2LoopDequantizeExperts``. Works in row chunks so the
+    float32 temporaries stay bounded whatever the layer size.
     """
     w = parts[""]
-    if fmt not in QUANTIZED:
-        raise CheckpointError(f"decode_stacked_experts: {fmt!r} is not a quantized expert format")
-    e, rows = w.shape[:2]
-    cols = w.shape[2] * (2 if fmt == "nvfp4" else 1)
-    out = torch.empty((e, rows, cols), dtype=dtype, device=w.device)
-    step = max(1, DECODE_CHUNK_ELEMS // max(1, rows * cols))
     if fmt == "mxfp8":
-        codec = get_format("mxfp8")
-        scale = parts["_scale"]
-        for s in range(0, e, step):
-            out[s:s + step] = codec.decode({"weight": w[s:s + step], "weight_scale": scale[s:s + step]}, dtype=dtype)
-        return out
-    scale = parts["_scale"]
+        return get_format("mxfp8").decode({"weight": w, "weight_scale": parts["_scale"]}, dtype=dtype)
+    if fmt != "nvfp4":
+        raise CheckpointError(f"decode_stacked_experts: {fmt!r} is not a quantized expert format")
+    e, rows, half = w.shape
+    cols, nb = half * 2, half * 2 // 16
+    out = torch.empty((e * rows, cols), dtype=dtype, device=w.device)
+    w2 = w.contiguous().view(e * rows, half)
+    sc2 = parts["_scale"].contiguous().view(e * rows, nb).view(torch.uint8)
     factor = parts["_amax"].float() / parts["_outer_scale_denominator"].float().reshape(-1)  # [E] (scalar broadcasts)
-    factor = factor.expand(e)
-    for s in range(0, e, step):
-        codes = w[s:s + step]
-        n = codes.shape[0]
-        vals = torch.stack((decode_e2m1(codes & 0xF), decode_e2m1(codes >> 4)), dim=-1)  # exact
-        vals = vals.view(n, rows, cols // 16, 16) * decode_e4m3(scale[s:s + step]).unsqueeze(-1)
-        vals = vals * factor[s:s + step, None, None, None]
-        out[s:s + step] = vals.view(n, rows, cols).to(dtype)
-    return out
+    factor_rows = factor.to(w.device).expand(e).repeat_interleave(rows)
+    pairs, e4m3 = _nvfp4_tables(w.device)
+    budget = DECODE_CHUNK_ELEMS if w.device.type == "cuda" else CPU_DECODE_CHUNK_ELEMS
+    step = max(1, budget // cols)
+    for r0 in range(0, e * rows, step):
+        r1 = min(e * rows, r0 + step)
+        n = r1 - r0
+        vals = pairs.index_select(0, w2[r0:r1].reshape(-1).int()).view(n, nb, 16)  # exact E2M1 values
+        vals.mul_(e4m3.index_select(0, sc2[r0:r1].reshape(-1).int()).view(n, nb, 1))  # exact product
+        vals.mul_(factor_rows[r0:r1].view(n, 1, 1))  # the one rounding, as the release loader
+        out[r0:r1] = vals.view(n, cols)
+    return out.view(e, rows, cols)
+
+
+_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _nvfp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[256, 2] byte -> (low, high nibble) E2M1 values and [256] E4M3 byte values, float32, exact."""
+    if device not in _TABLES:
+        b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        pairs = torch.stack((decode_e2m1(b & 0xF), decode_e2m1(b >> 4)), dim=-1)
+        _TABLES[device] = (pairs.to(device), decode_e4m3(b).to(device))
+    return _TABLES[device]
 
 
 # ------------------------------------------------------------------------------------------
