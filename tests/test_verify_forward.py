@@ -108,6 +108,30 @@ def test_streamed_logits_equal_from_pretrained_bit_for_bit(tiny, ids, dtype):
     assert all(p.is_meta for p in streamed.model.parameters())
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_logits_equal_from_pretrained_on_cuda(tiny, mixed, ids):
+    ref = transformers.Inkling2ForConditionalGeneration.from_pretrained(
+        tiny[torch.bfloat16], dtype=torch.bfloat16, device_map="cuda")
+    with torch.no_grad():
+        want = ref(input_ids=ids.cuda()).logits
+    got = fwd.StreamedModel(tiny[torch.bfloat16], dtype=torch.bfloat16, device="cuda").forward(ids)
+    assert got.device.type == "cuda" and torch.equal(got, want)
+    # quantized experts decoded on the GPU give what the CPU decode gives
+    _, q, _ = mixed
+    on_gpu = fwd.StreamedModel(q, dtype=torch.bfloat16, device="cuda")
+    on_cpu = fwd.StreamedModel(q, dtype=torch.bfloat16, device="cpu")
+    for unit_gpu, unit_cpu in zip(on_gpu.units[1:-1], on_cpu.units[1:-1]):
+        for src in unit_gpu.sources:
+            if src.fmt in fwd.QUANTIZED:
+                parts = {p: on_cpu.reader.get(src.base + p) for p in src.parts}
+                a = fwd.decode_stacked_experts(src.fmt, parts, torch.bfloat16)
+                b = fwd.decode_stacked_experts(src.fmt, {p: t.cuda() for p, t in parts.items()}, torch.bfloat16)
+                assert torch.equal(a, b.cpu())
+    cmp = fwd.compare_forward(tiny[torch.bfloat16], q, input_ids=ids, device="cuda", progress=False)
+    assert cmp["run"]["device"] == "cuda" and cmp["logits"]["kl_mean"] > 0
+
+
 def test_self_comparison_is_exact(tiny, ids):
     rep = fwd.compare_forward(tiny[torch.bfloat16], tiny[torch.bfloat16], input_ids=ids, progress=False)
     assert rep["schema"] == fwd.SCHEMA

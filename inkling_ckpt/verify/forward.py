@@ -517,15 +517,17 @@ class StreamedModel:
         """The unit's stored tensors (on-disk names, as stored) on the run device."""
         return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources for p in s.parts}
 
-    def load(self, unit: _Unit, stored: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Materialise ``unit``'s modules on the run device (from ``stored`` if given, as ``read`` returns)."""
+    def load(self, unit: _Unit, stored: dict[str, torch.Tensor] | None = None) -> None:
+        """Materialise ``unit``'s modules on the run device (from ``stored`` if given, as ``read`` returns;
+        it is emptied as the tensors are converted, so a stored tensor and its converted form coexist
+        only one tensor at a time)."""
         stored = self.read(unit) if stored is None else stored
         state: dict[str, dict[str, torch.Tensor]] = {p: {} for p, _ in unit.modules}
         for s in unit.sources:
             if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
-                t = stored[s.base]
+                t = stored.pop(s.base)
             else:
-                t = decode_stacked_experts(s.fmt, {p: stored[s.base + p] for p in s.parts}, self.dtype)
+                t = decode_stacked_experts(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype)
             t = self._convert(s, t.to(self.device))
             prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
             state[prefix][s.target[len(prefix) + 1:]] = t
