@@ -5,8 +5,8 @@ It writes a one-layer release-layout checkpoint with random weights (full-size l
 unembed are not part of the per-layer figure), experts stored in ``--format`` (bf16, mxfp8 or
 nvfp4, the release layouts), then, in the same process and run:
 
-* ``read``: the time to just read that layer's stored bytes from disk into host memory
-  (``safe_open`` tensor by tensor, the reader the forward uses), page cache dropped first;
+* ``read``: the time to just read that layer's stored bytes from disk into host memory (plain
+  64 MiB reads of each tensor's byte range), page cache dropped first;
 * ``layer``: the streamed layer as ``verify --forward`` runs it, page cache dropped first:
   read (disk to the device), decode the experts + load the modules, the layer's forward on
   ``--batch`` x ``--seq`` tokens (default 2 x 512), and the return to meta; with the breakdown.
@@ -47,6 +47,7 @@ from inkling_ckpt.verify import forward as fwd  # noqa: E402
 
 ST_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3"}
 CHUNK = 1 << 27  # elements generated at a time while writing the fixture
+BLOCK = 64 << 20  # bytes per read of the plain-read baseline
 
 
 # -- the fixture ------------------------------------------------------------------------------
@@ -156,18 +157,31 @@ def sync(device: torch.device) -> None:
 
 
 def time_read(folder: Path, unit_names: list[str], warm: bool) -> tuple[float, int]:
+    """Plain reads (64 MiB ``readinto`` into one reused buffer) of the byte ranges of ``unit_names``.
+
+    No safetensors here on purpose: ``safe_open`` on CPU hands out memory-mapped tensors whose
+    pages are read only when touched, so timing ``get_tensor`` alone would time nothing.
+    """
+    path = folder / "model.safetensors"
     if not warm:
-        drop_cache(folder / "model.safetensors")
-    reader = fwd.SafetensorsFolder(folder)
-    t0 = time.perf_counter()
-    nbytes = 0
-    for name in unit_names:
-        t = reader.get(name)
-        nbytes += t.numel() * t.element_size()
-        del t
-    dt = time.perf_counter() - t0
-    reader.close()
-    return dt, nbytes
+        drop_cache(path)
+    with open(path, "rb", buffering=0) as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hlen))
+        ranges = sorted(header[n]["data_offsets"] for n in unit_names)
+        buf = memoryview(bytearray(BLOCK))
+        t0 = time.perf_counter()
+        nbytes = 0
+        for start, stop in ranges:
+            f.seek(8 + hlen + start)
+            left = stop - start
+            while left:
+                got = f.readinto(buf[:min(BLOCK, left)])
+                if not got:
+                    raise SystemExit(f"{path}: short read")
+                left -= got
+                nbytes += got
+        return time.perf_counter() - t0, nbytes
 
 
 def time_layer(folder: Path, device: torch.device, ids: torch.Tensor, warm: bool) -> dict[str, float]:
