@@ -141,6 +141,7 @@ def test_self_comparison_is_exact(tiny, ids):
     assert [r["layer"] for r in rep["layers"]] == list(range(LAYERS))
     assert [r["kind"] for r in rep["layers"]] == ["sliding", "full", "sliding", "full"]
     assert all(r["rel_error"] == 0.0 and r["max_abs_diff"] == 0.0 for r in rep["layers"])
+    assert rep["logits"]["first_diverging_layer"] is None
     assert rep["a"]["expert_formats"] == {"bf16": LAYERS}  # unquantized, stored BF16
     json.dumps(rep)  # JSON-serialisable as is
 
@@ -158,9 +159,10 @@ def test_perturbed_expert_layer_starts_the_divergence(tiny, ids, tmp_path):
     errs = [r["rel_error"] for r in rep["layers"]]
     assert errs[0] == errs[1] == 0.0
     assert errs[2] > 1e-3 and errs[3] > 0.0
+    assert rep["logits"]["first_diverging_layer"] == 2
     assert rep["logits"]["kl_mean"] > 0.0 and rep["logits"]["max_abs_diff"] > 0.0
     text = fwd.render_forward_report(rep)
-    assert "KL(A||B)" in text and "top-1 agreement" in text
+    assert "KL(A||B)" in text and "top-1 agreement" in text and "first differ after layer 2" in text
 
 
 def test_at_most_one_unit_in_memory_at_a_time(tiny, ids, monkeypatch):
@@ -310,6 +312,16 @@ def test_index_may_not_point_outside_the_folder(tiny, tmp_path):
     (b / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "../elsewhere.safetensors"}}))
     with pytest.raises(CheckpointError, match="outside"):
         fwd.SafetensorsFolder(b)
+
+
+def test_non_finite_outputs_are_null_and_fail_the_threshold():
+    la = torch.zeros(3, 5)
+    lb = la.clone()
+    lb[1, 2] = float("nan")
+    st = fwd.logit_stats(la, lb)
+    assert st["kl_max"] is None and st["kl_mean"] is None and st["max_abs_diff"] is None
+    assert fwd.hidden_stats(torch.zeros(2, 3), torch.ones(2, 3))["rel_error"] is None  # ||h_A|| = 0
+    json.dumps(st, allow_nan=False)
 
 
 def test_read_tokens(tmp_path):

@@ -20,11 +20,13 @@ Report (``--json``), schema ``inkling-ckpt/verify-forward/v1``::
      "a": {"path", "expert_formats": {FORMAT: n_layers}}, "b": {...},
      "run": {"device", "dtype", "batch", "seq_len", "tokens": "random"|FILE, "seed", "seconds"},
      "config_differences": [KEY, ...],      # text_config fields that differ between A and B
-     "logits": {"kl_mean", "kl_max", "top1_agreement", "max_abs_diff", "positions"},
+     "logits": {"kl_mean", "kl_max", "top1_agreement", "max_abs_diff", "positions",
+                "first_diverging_layer"},      # first layer whose hidden state differs, or null
      "layers": [{"layer", "kind": "sliding"|"full", "format_a", "format_b",
                  "rel_error", "max_abs_diff"}],      # hidden state after each decoder layer
      "thresholds": {"max_kl", "passed"}}
 
+Figures that come out NaN or infinite (a checkpoint whose outputs are not finite) are ``null``.
 ``kl_*`` is KL(A‖B) of the next-token distributions (nats, from float32 logits, summed in
 float64), per position, then mean and max over the batch's positions; ``top1_agreement`` the
 fraction of positions whose argmax agree; ``rel_error`` is ``‖h_B − h_A‖ / ‖h_A‖`` over the
@@ -633,11 +635,17 @@ def logit_stats(la: torch.Tensor, lb: torch.Tensor) -> dict[str, Any]:
     kl = (lpa.exp() * (lpa - lpb)).sum(-1)
     return {
         "positions": int(la.shape[0]),
-        "kl_mean": float(kl.mean()),
-        "kl_max": float(kl.max()),
+        "kl_mean": _finite(kl.mean()),
+        "kl_max": _finite(kl.max()),
         "top1_agreement": float((la.argmax(-1) == lb.argmax(-1)).double().mean()),
-        "max_abs_diff": float((la - lb).abs().max()),
+        "max_abs_diff": _finite((la - lb).abs().max()),
     }
+
+
+def _finite(x: torch.Tensor | float) -> float | None:
+    """A float for JSON, None where it is NaN or infinite (a checkpoint that yields non-finite outputs)."""
+    v = float(x)
+    return v if math.isfinite(v) else None
 
 
 def hidden_stats(ha: torch.Tensor, hb: torch.Tensor) -> dict[str, float]:
@@ -646,8 +654,8 @@ def hidden_stats(ha: torch.Tensor, hb: torch.Tensor) -> dict[str, float]:
     d = b - a
     den = float(a.square().sum().sqrt())
     num = float(d.square().sum().sqrt())
-    return {"rel_error": num / den if den > 0 else (0.0 if num == 0 else math.inf),
-            "max_abs_diff": float(d.abs().max()) if d.numel() else 0.0}
+    return {"rel_error": _finite(num / den) if den > 0 else (0.0 if num == 0 else None),
+            "max_abs_diff": _finite(d.abs().max()) if d.numel() else 0.0}
 
 
 def read_tokens(path: str | Path, vocab_size: int) -> torch.Tensor:
@@ -765,7 +773,8 @@ def compare_forward(
     finally:
         sa.close()
         sb.close()
-    passed = max_kl is None or stats["kl_max"] <= max_kl
+    stats["first_diverging_layer"] = next((r["layer"] for r in layers if r["rel_error"] != 0.0), None)
+    passed = max_kl is None or (stats["kl_max"] is not None and stats["kl_max"] <= max_kl)
     return {
         "schema": SCHEMA,
         "a": {"path": str(a), "expert_formats": _format_counts(sa)},
@@ -811,20 +820,32 @@ def render_forward_report(rep: Mapping[str, Any]) -> str:
     ]
     if rep["config_differences"]:
         lines.append(f"config fields that differ: {', '.join(rep['config_differences'])}")
+    first = lg["first_diverging_layer"]
     lines += [
         "",
-        f"KL(A||B) mean {lg['kl_mean']:.6g}  max {lg['kl_max']:.6g} nats over {lg['positions']} positions",
-        f"top-1 agreement {lg['top1_agreement']:.4f}   max |dlogit| {lg['max_abs_diff']:.6g}",
+        f"KL(A||B) mean {_num(lg['kl_mean'], '.6g')}  max {_num(lg['kl_max'], '.6g')} nats over "
+        f"{lg['positions']} positions",
+        f"top-1 agreement {lg['top1_agreement']:.4f}   max |dlogit| {_num(lg['max_abs_diff'], '.6g')}",
+        "hidden states identical through the last layer" if first is None
+        else f"hidden states first differ after layer {first}",
         "",
         f"{'layer':>5}  {'kind':<7}  {'experts A':<9}  {'experts B':<9}  {'rel err':>10}  {'max |dh|':>10}",
     ]
     for r in rep["layers"]:
         lines.append(f"{r['layer']:>5}  {r['kind']:<7}  {r['format_a'] or '-':<9}  {r['format_b'] or '-':<9}  "
-                     f"{r['rel_error']:>10.3e}  {r['max_abs_diff']:>10.3e}")
+                     f"{_num(r['rel_error'], '10.3e')}  {_num(r['max_abs_diff'], '10.3e')}")
     th = rep["thresholds"]
     if th["max_kl"] is not None:
         lines += ["", f"max KL <= {th['max_kl']}: {'pass' if th['passed'] else 'FAIL'}"]
     return "\n".join(lines)
+
+
+def _num(v: float | None, spec: str) -> str:
+    """``v`` formatted by ``spec`` ("10.3e", ".6g"), or "non-finite" at the same width."""
+    if v is not None:
+        return format(v, spec)
+    width = spec.split(".")[0]
+    return "non-finite".rjust(int(width)) if width else "non-finite"
 
 
 def _fmt_counts(c: Mapping[str, int]) -> str:
