@@ -23,14 +23,13 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError, ConfigError, OutputError
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import TensorSpec, inventory, match_name, nbytes
+from ..model.inventory import FLOAT_DTYPES, Category, Scope, TensorSpec, detect_plan, inventory, is_vision, match_name, nbytes
 from ..model.precision import PrecisionPlan
-from ..model.quant_config import plan_from_quant_config
+from ..model.quant_config import check_quant_config
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-QUANT_CONFIG = "hf_quant_config.json"
 SHARD_PATTERN = "model{suffix}.safetensors"
 DEFAULT_MAX_SHARD = "5GB"
 
@@ -41,7 +40,8 @@ DTYPE_TO_ST = {
 }
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 # Files a writer produces itself; everything else at the top of a source folder is copied through.
-_OWN_FILES = {INDEX, SINGLE, "config.json", QUANT_CONFIG, DONE_FILE, JOB_FILE}
+# hf_quant_config.json is not part of the Inkling 2 release layout (nothing that loads it reads it): never copied.
+_OWN_FILES = {INDEX, SINGLE, "config.json", "hf_quant_config.json", DONE_FILE, JOB_FILE}
 
 
 @dataclass(frozen=True)
@@ -81,24 +81,21 @@ def resolve_source(source: str | Path) -> Path:
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
-    def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, hf_quant: dict[str, Any] | None,
-                 plan: PrecisionPlan, tensors: dict[str, StoredTensor]):
+    def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan,
+                 tensors: dict[str, StoredTensor]):
         self.root = root
         self.config = config
         self.cfg = cfg
-        self.hf_quant = hf_quant
         self.plan = plan
         self.tensors = tensors
         self._handles: OrderedDict[str, Any] = OrderedDict()
 
     @classmethod
     def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
-        """Read config, quantization config and every shard header; validate against the model table."""
+        """Read the config and every shard header; each layer's expert format comes from the tensors present."""
         root = resolve_source(source)
         config = read_json(root / "config.json")
         cfg = InklingConfig.from_dict(config)
-        hf_quant = read_json(root / QUANT_CONFIG) if (root / QUANT_CONFIG).is_file() else None
-        plan = plan_from_quant_config(cfg, hf_quant, config.get("quantization_config"))
         files = _weight_map(root)
         tensors: dict[str, StoredTensor] = {}
         by_file: dict[str, list[str]] = {}
@@ -113,18 +110,33 @@ class HFCheckpoint:
                 if name not in files:
                     raise CheckpointError(f"{root / f}: holds {name}, which the index does not list")
                 tensors[name] = StoredTensor(name, f, *st)
-        ckpt = cls(root, config, cfg, hf_quant, plan, tensors)
+        plan = detect_plan(cfg, {n: t.dtype for n, t in tensors.items()}, str(root))
+        check_quant_config(config, plan, str(root))
+        ckpt = cls(root, config, cfg, plan, tensors)
         if validate:
             ckpt.validate()
         return ckpt
 
     def expected(self) -> list[TensorSpec]:
-        """The inventory this checkpoint must hold, given its config and plan."""
-        return inventory(self.cfg, self.plan)
+        """The inventory this checkpoint holds: its config and plan, with its own non-expert dtypes and vision tensors."""
+        return inventory(self.cfg, self.plan, dtypes=self.dtypes(), vision=self.vision_specs())
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Stored dtypes of the non-expert tensors (kept as they are by every writer)."""
+        return {n: t.dtype for n, t in self.tensors.items() if t.dtype in FLOAT_DTYPES}
+
+    def vision_specs(self) -> list[TensorSpec]:
+        """The vision tower's tensors as stored (passed through by prefix), in name order."""
+        return [TensorSpec(n, t.shape, t.dtype, Category.VISION, None) for n, t in sorted(self.tensors.items())
+                if is_vision(n)]
 
     def validate(self) -> None:
         """Every expected tensor present with the right shape and dtype, nothing unexpected."""
         check_against_inventory(self.tensors, self.expected(), where=str(self.root))
+        for n, t in self.tensors.items():
+            if t.dtype not in FLOAT_DTYPES and match_name(n) is not None and match_name(n).row.scope is not Scope.EXPERTS:
+                raise CheckpointError(f"{self.root}: {n} is stored as {DTYPE_TO_ST.get(t.dtype, t.dtype)}; non-expert "
+                                      "tensors must be BF16, F16 or F32")
 
     def get(self, name: str) -> torch.Tensor:
         """Read one whole tensor into a fresh CPU tensor.
@@ -328,6 +340,7 @@ class HFWriter:
         self.is_sharded = split.is_sharded
         self.weight_map = dict(split.tensor_to_filename)
         self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
+        self._rows: dict[str, int] = {}  # rows written so far of tensors written in slices
         for f, shard in self.shards.items():
             if staging.is_finished(f):
                 shard.remaining.clear()
@@ -339,13 +352,38 @@ class HFWriter:
         return [n for n in self.specs if self.needed(n)]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        """Write a whole planned tensor."""
+        spec = self._spec(name)
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
             raise CheckpointError(
                 f"writer: {name} is {tensor.dtype} {list(tensor.shape)}, planned {spec.dtype} {list(spec.shape)}"
             )
+        self._put(name, 0, tensor, spec.shape[0] if spec.shape else 1)
+
+    def write_rows(self, name: str, start: int, tensor: torch.Tensor) -> None:
+        """Write rows ``start:start+len(tensor)`` (along dim 0) of a planned tensor.
+
+        Stacked experts arrive a few experts at a time, so memory stays bounded by a slice, not
+        a layer. The tensor counts as written once every row has been.
+        """
+        spec = self._spec(name)
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (not spec.shape or tensor.dtype != spec.dtype or tuple(tensor.shape[1:]) != spec.shape[1:]
+                or start < 0 or start + n > spec.shape[0]):
+            raise CheckpointError(
+                f"writer: rows {start}:{start + n} of {name} as {tensor.dtype} {list(tensor.shape)} do not fit the "
+                f"planned {spec.dtype} {list(spec.shape)}"
+            )
+        self._put(name, start, tensor, n)
+
+    def _spec(self, name: str) -> TensorSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        return spec
+
+    def _put(self, name: str, start: int, tensor: torch.Tensor, rows: int) -> None:
+        spec = self.specs[name]
         shard = self.shards[self.weight_map[name]]
         if name not in shard.remaining:
             return
@@ -355,9 +393,16 @@ class HFWriter:
             shard.fh.write(shard.header)
             shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
         a, _ = shard.offsets[name]
-        shard.fh.seek(len(shard.header) + a)
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
+        shard.fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         shard.fh.write(memoryview(data))
+        total = spec.shape[0] if spec.shape else 1
+        done = self._rows.get(name, 0) + rows
+        if done < total:
+            self._rows[name] = done
+            return
+        self._rows.pop(name, None)
         shard.remaining.discard(name)
         if not shard.remaining:
             shard.fh.close()
@@ -411,5 +456,5 @@ def parse_size(size: str | int) -> int:
 
 __all__ = [
     "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "check_against_inventory",
-    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX", "QUANT_CONFIG",
+    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX",
 ]
