@@ -22,7 +22,7 @@ if not hasattr(transformers, "Inkling2ForConditionalGeneration"):
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from inkling_ckpt.errors import CheckpointError  # noqa: E402
-from inkling_ckpt.formats import get_format  # noqa: E402
+from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked  # noqa: E402
 from inkling_ckpt.verify import forward as fwd  # noqa: E402
 
 E, F, H = 8, 32, 64
@@ -125,8 +125,8 @@ def test_streamed_logits_equal_from_pretrained_on_cuda(tiny, mixed, ids):
         for src in unit_gpu.sources:
             if src.fmt in fwd.QUANTIZED:
                 parts = {p: on_cpu.reader.get(src.base + p) for p in src.parts}
-                a = fwd.decode_stacked_experts(src.fmt, parts, torch.bfloat16)
-                b = fwd.decode_stacked_experts(src.fmt, {p: t.cuda() for p, t in parts.items()}, torch.bfloat16)
+                a = decode_stacked(src.fmt, parts, torch.bfloat16)
+                b = decode_stacked(src.fmt, {p: t.cuda() for p, t in parts.items()}, torch.bfloat16)
                 assert torch.equal(a, b.cpu())
     cmp = fwd.compare_forward(tiny[torch.bfloat16], q, input_ids=ids, device="cuda", progress=False)
     assert cmp["run"]["device"] == "cuda" and cmp["logits"]["kl_mean"] > 0
@@ -187,23 +187,6 @@ def test_at_most_one_unit_in_memory_at_a_time(tiny, ids, monkeypatch):
 # -- quantized experts ---------------------------------------------------------------------
 
 
-def _release_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Release-layout NVFP4 of a stacked [E, R, C] tensor: the toolkit codec per expert (one amax each)."""
-    codec = get_format("nvfp4")
-    parts = [codec.encode(w[e]) for e in range(w.shape[0])]
-    amax = torch.stack([p["weight_scale_2"] for p in parts]) * 2688.0  # s2 = amax / 2688
-    return {"": torch.stack([p["weight"] for p in parts]), "_scale": torch.stack([p["weight_scale"] for p in parts]),
-            "_amax": amax.float(), "_outer_scale_denominator": torch.tensor(2688.0)}
-
-
-def _release_mxfp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
-    p = get_format("mxfp8").encode(w)
-    return {"": p["weight"], "_scale": p["weight_scale"]}
-
-
-ENCODERS = {"nvfp4": _release_nvfp4, "mxfp8": _release_mxfp8}
-
-
 def _oracle_decode(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """transformers' own dequantization of the Inkling family's stacked experts (its Loop model's op)."""
     from transformers.core_model_loading import Inkling2LoopDequantizeExperts
@@ -212,19 +195,6 @@ def _oracle_decode(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     order = ["", "_scale", "_amax", "_outer_scale_denominator"]
     inputs = {n: parts[o] for n, o in zip(names, order) if o in parts}
     return next(iter(Inkling2LoopDequantizeExperts().convert(inputs, names, ["out"]).values()))
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
-def test_expert_decode_matches_transformers_dequantizer(fmt):
-    torch.manual_seed(3)
-    w = (torch.randn(5, 2 * F, H) * torch.logspace(-3, 1, 5)[:, None, None]).to(torch.bfloat16)
-    parts = ENCODERS[fmt](w)
-    got = fwd.decode_stacked_experts(fmt, parts, torch.bfloat16)
-    want = _oracle_decode(parts)
-    assert got.dtype == want.dtype == torch.bfloat16
-    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-    # and it is a decode of w, not just equal garbage
-    assert (got.float() - w.float()).norm() < 0.2 * w.float().norm()
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +209,7 @@ def mixed(tiny, tmp_path_factory):
         for layer, fmt in plan.items():
             for which in ("w13", "w2"):
                 base = experts(layer, which)
-                for suffix, t in ENCODERS[fmt](sd.pop(base)).items():
+                for suffix, t in encode_stacked(fmt, sd.pop(base), name=base).items():
                     sd[base + suffix] = t.contiguous()
         return sd
 
@@ -279,6 +249,33 @@ def test_mixed_vs_bf16_per_layer_table(mixed, ids):
     assert 0 < rep["logits"]["top1_agreement"] <= 1
 
 
+# -- the bundled fixtures (release layout, written by the toolkit) ---------------------------
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+def test_bundled_bf16_fixture_is_bit_exact_with_from_pretrained(ids):
+    ids = ids % 500
+    ref = reference_logits(FIXTURES / "tiny-bf16", torch.bfloat16, ids)
+    assert torch.equal(fwd.StreamedModel(FIXTURES / "tiny-bf16", dtype=torch.bfloat16).forward(ids), ref)
+
+
+def test_bundled_fixtures_self_and_mixed_vs_bf16(cli):
+    code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / "tiny-bf16", "--forward", "--random", "24",
+                         "--json", "-q")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert rep["logits"]["kl_max"] == 0.0 and rep["logits"]["top1_agreement"] == 1.0
+    for variant, formats in (("mixed", {"nvfp4", "mxfp8"}), ("mxfp8", {"mxfp8"})):
+        code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / f"tiny-{variant}", "--forward",
+                             "--random", "24", "--json", "-q")
+        assert code == 0, err
+        rep = json.loads(out)
+        assert set(rep["b"]["expert_formats"]) == formats
+        assert rep["logits"]["first_diverging_layer"] == 0  # every layer's experts are quantized
+        assert all(r["rel_error"] > 0 for r in rep["layers"]) and rep["logits"]["kl_mean"] > 0
+
+
 # -- bad input ------------------------------------------------------------------------------
 
 
@@ -294,7 +291,7 @@ def test_missing_tensor_is_found_before_any_work(tiny, tmp_path):
 
 @pytest.mark.parametrize("suffix, tensor, message", [
     ("_amax", torch.ones(E), "not a BF16, MXFP8 or NVFP4 expert"),  # weight + amax: no format has that
-    ("_scale", torch.zeros(E, H, F // 32, dtype=torch.uint8), "stored as torch.bfloat16, expected .*mxfp8"),
+    ("_scale", torch.zeros(E, H, F // 32, dtype=torch.uint8), "not a BF16, MXFP8 or NVFP4 expert"),
 ])
 def test_unknown_expert_parts_are_rejected(tiny, tmp_path, suffix, tensor, message):
     def odd(sd):
@@ -338,6 +335,13 @@ def test_read_tokens(tmp_path):
 
 
 # -- the command ----------------------------------------------------------------------------
+
+
+def test_cli_schemas_match_the_modules():
+    from inkling_ckpt.cli import verify as cli_verify
+    from inkling_ckpt.verify import compare
+
+    assert cli_verify.SCHEMA == compare.SCHEMA and cli_verify._FORWARD_SCHEMA == fwd.SCHEMA
 
 
 def test_cli_forward_json_and_table(cli, tiny, tmp_path):

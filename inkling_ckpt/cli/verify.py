@@ -10,10 +10,12 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError
-from ..verify.compare import SCHEMA, build_report, compare, plot_report, render_report
 from .app import app
 
-_FORWARD_SCHEMA = "inkling-ckpt/verify-forward/v1"  # = verify.forward.SCHEMA (that module imports lazily)
+# The report modules are imported when a mode runs (the forward mode needs nothing of the
+# tensor comparison, and the tensor mode nothing of transformers); --help must not need them.
+SCHEMA = "inkling-ckpt/verify-report/v1"  # = verify.compare.SCHEMA
+_FORWARD_SCHEMA = "inkling-ckpt/verify-forward/v1"  # = verify.forward.SCHEMA
 
 _HELP = "\n\n".join([
     'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
@@ -63,6 +65,8 @@ def verify_cmd(
     given = [k for k, v in forward_only.items() if v]
     if given:
         raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --forward")
+    from ..verify.compare import build_report, compare, plot_report, render_report
+
     rep = build_report(compare(a, b, progress=not quiet), min_sqnr=min_sqnr, exact=exact)
     if plot is not None:
         plot_report(rep, plot)

@@ -11,8 +11,9 @@ on a BF16 checkpoint the logits equal ``from_pretrained(...)(input_ids).logits``
 (same dtype, same device).
 
 Routed experts stored quantized (MXFP8, or NVFP4 in the release's ``amax / denominator`` form)
-are decoded to the run dtype on the run device before the layer is loaded; BF16 experts load as
-stored. The layer's expert format is read from the tensors present, as transformers does.
+are decoded to the run dtype on the run device by ``formats.stacked.decode_stacked`` (the order
+of transformers' own dequantizer) before the layer is loaded; BF16 experts load as stored. The
+layer's expert format is read from the tensors present, as transformers does.
 
 Report (``--json``), schema ``inkling-ckpt/verify-forward/v1``::
 
@@ -47,9 +48,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import CheckpointError, ConfigError, InklingError
-from ..formats import get_format
-from ..formats.encodings import decode_e2m1, decode_e4m3
+from ..errors import CheckpointError, ConfigError, FormatError, InklingError
+from ..formats.stacked import DENOM, WEIGHT, decode_stacked, format_of_parts, stacked_parts
 
 SCHEMA = "inkling-ckpt/verify-forward/v1"
 INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
@@ -57,12 +57,6 @@ TRANSFORMERS_VERSION = "5.24.0"
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-
-#: Working-set budget of the expert decode, in float32 elements (~0.5 GiB): bounds the temporaries
-#: whatever the layer size, large enough that per-op overhead is negligible.
-DECODE_CHUNK_ELEMS = 1 << 27
-#: On CPU, chunks that stay in cache (the decode is memory-bound).
-CPU_DECODE_CHUNK_ELEMS = 1 << 18
 
 
 class MissingDependency(InklingError):
@@ -230,103 +224,44 @@ def _st_dtype(code: str, path: Path, name: str) -> torch.dtype:
 # routed experts: BF16, MXFP8 or NVFP4 per layer, read from the parts present
 # ------------------------------------------------------------------------------------------
 
-#: A stacked expert linear on disk (``…mlp.experts.w13_weight`` / ``w2_weight``) and its parts.
+#: A stacked expert linear on disk (``…mlp.experts.w13_weight`` / ``w2_weight``) and its parts
+#: (the suffixes of inkling_ckpt.formats.stacked).
 _EXPERT_PART = re.compile(r"^(?P<base>.+\.mlp\.experts\.w(?:13|2)_weight)(?P<suffix>_scale|_amax|_outer_scale_denominator)?$")
 
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)
-
-#: Expert formats of the release layout: suffix -> allowed stored dtypes (spec/inkling2.md). The
-#: unquantized one is reported by its stored dtype (bf16, f16, f32).
-EXPERT_FORMATS: dict[str, dict[str, tuple[torch.dtype, ...]]] = {
-    "bf16": {"": (torch.bfloat16, torch.float16, torch.float32)},  # unquantized, whatever float it is stored in
-    "mxfp8": {"": (torch.float8_e4m3fn,), "_scale": tuple(d for d in (torch.uint8, _E8M0) if d is not None)},
-    "nvfp4": {"": (torch.uint8,), "_scale": (torch.float8_e4m3fn,), "_amax": (torch.float32,),
-              "_outer_scale_denominator": (torch.float32,)},
-}
-
-
-def expert_format(base: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[str, tuple[int, ...]]:
-    """(format, decoded [E, rows, cols] shape) of one stacked expert linear from its parts' headers."""
-    suffixes = set(parts)
-    fmt = next((f for f, spec in EXPERT_FORMATS.items() if set(spec) == suffixes), None)
-    if fmt is None:
-        raise CheckpointError(f"{base}: parts {sorted(base + s for s in suffixes)} are not a BF16, MXFP8 or NVFP4 expert")
-    for s, allowed in EXPERT_FORMATS[fmt].items():
-        if parts[s][1] not in allowed:
-            raise CheckpointError(f"{base}{s}: stored as {parts[s][1]}, expected {' or '.join(map(str, allowed))} ({fmt})")
-    shape = parts[""][0]
-    if len(shape) != 3:
-        raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
-    e, rows, cols = shape
-    if fmt == "bf16":
-        return _PLAIN_NAMES[parts[""][1]], shape
-    if fmt == "mxfp8":
-        want = {"_scale": (e, rows, cols // 32)}
-        full = (e, rows, cols)
-        if cols % 32:
-            raise CheckpointError(f"{base}: MXFP8 width {cols} is not a multiple of 32")
-    else:
-        full = (e, rows, cols * 2)
-        want = {"_scale": (e, rows, cols * 2 // 16), "_amax": (e,)}
-        if (cols * 2) % 16:
-            raise CheckpointError(f"{base}: NVFP4 width {cols * 2} is not a multiple of 16")
-        if parts["_outer_scale_denominator"][0] not in ((), (1,), (e,)):
-            raise CheckpointError(f"{base}_outer_scale_denominator: shape {list(parts['_outer_scale_denominator'][0])}, "
-                                  f"expected a scalar or [{e}]")
-    for s, shp in want.items():
-        if tuple(parts[s][0]) != shp:
-            raise CheckpointError(f"{base}{s}: shape {list(parts[s][0])}, expected {list(shp)} for {list(shape)}")
-    return fmt, full
-
-
+#: Stored dtypes of unquantized experts other than BF16 that the forward accepts (an F32 or F16
+#: checkpoint); they are cast exactly as from_pretrained casts them, and reported by dtype.
 _PLAIN_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 QUANTIZED = ("mxfp8", "nvfp4")
 
 
-# TODO(swap): replace with the stacked-expert decode of inkling_ckpt.formats once it lands on main.
-def decode_stacked_experts(fmt: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Decode one stacked expert linear (``{suffix: tensor}``, release layout) to ``dtype`` [E, rows, cols].
+def expert_format(base: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[str, tuple[int, ...]]:
+    """(format, decoded [E, rows, cols] shape) of one stacked expert linear from its parts' headers.
 
-    MXFP8 uses the toolkit codec (any leading dims). NVFP4 uses the release order
-    ``(e2m1 × float32(block_scale)) × (amax / denominator)`` in float32, then the cast, which is
-    bit-identical to transformers' ``Inkling2LoopDequantizeExperts``. Works in row chunks so the
-    float32 temporaries stay bounded whatever the layer size.
+    The format is read from the parts present and their dtypes (``formats.stacked``); their
+    shapes must be the ones that format gives for the weight's.
     """
-    w = parts[""]
-    if fmt == "mxfp8":
-        return get_format("mxfp8").decode({"weight": w, "weight_scale": parts["_scale"]}, dtype=dtype)
-    if fmt != "nvfp4":
-        raise CheckpointError(f"decode_stacked_experts: {fmt!r} is not a quantized expert format")
-    e, rows, half = w.shape
-    cols, nb = half * 2, half * 2 // 16
-    out = torch.empty((e * rows, cols), dtype=dtype, device=w.device)
-    w2 = w.contiguous().view(e * rows, half)
-    sc2 = parts["_scale"].contiguous().view(e * rows, nb).view(torch.uint8)
-    factor = parts["_amax"].float() / parts["_outer_scale_denominator"].float().reshape(-1)  # [E] (scalar broadcasts)
-    factor_rows = factor.to(w.device).expand(e).repeat_interleave(rows)
-    pairs, e4m3 = _nvfp4_tables(w.device)
-    budget = DECODE_CHUNK_ELEMS if w.device.type == "cuda" else CPU_DECODE_CHUNK_ELEMS
-    step = max(1, budget // cols)
-    for r0 in range(0, e * rows, step):
-        r1 = min(e * rows, r0 + step)
-        n = r1 - r0
-        vals = pairs.index_select(0, w2[r0:r1].reshape(-1).int()).view(n, nb, 16)  # exact E2M1 values
-        vals.mul_(e4m3.index_select(0, sc2[r0:r1].reshape(-1).int()).view(n, nb, 1))  # exact product
-        vals.mul_(factor_rows[r0:r1].view(n, 1, 1))  # the one rounding, as the release loader
-        out[r0:r1] = vals.view(n, cols)
-    return out.view(e, rows, cols)
-
-
-_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _nvfp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[256, 2] byte -> (low, high nibble) E2M1 values and [256] E4M3 byte values, float32, exact."""
-    if device not in _TABLES:
-        b = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-        pairs = torch.stack((decode_e2m1(b & 0xF), decode_e2m1(b >> 4)), dim=-1)
-        _TABLES[device] = (pairs.to(device), decode_e4m3(b).to(device))
-    return _TABLES[device]
+    if set(parts) == {WEIGHT} and parts[WEIGHT][1] in _PLAIN_NAMES:
+        shape = parts[WEIGHT][0]
+        if len(shape) != 3:
+            raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
+        return _PLAIN_NAMES[parts[WEIGHT][1]], shape
+    fmt = format_of_parts({s: dt for s, (_, dt) in parts.items()})
+    if fmt not in QUANTIZED:
+        got = ", ".join(f"{base}{s} {str(dt).removeprefix('torch.')}" for s, (_, dt) in sorted(parts.items()))
+        raise CheckpointError(f"{base}: parts ({got}) are not a BF16, MXFP8 or NVFP4 expert")
+    shape = parts[WEIGHT][0]
+    if len(shape) != 3:
+        raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
+    full = (shape[0], shape[1], shape[2] * (2 if fmt == "nvfp4" else 1))
+    try:
+        want = stacked_parts(fmt, full)
+    except FormatError as e:
+        raise CheckpointError(f"{base}: {e}") from None
+    for s, (shp, _) in want.items():
+        ok = tuple(parts[s][0]) == shp or (s == DENOM and tuple(parts[s][0]) in ((1,), (full[0],)))  # [E] accepted on read
+        if not ok:
+            raise CheckpointError(f"{base}{s}: shape {list(parts[s][0])}, expected {list(shp)} ({fmt}, weight {list(shape)})")
+    return fmt, full
 
 
 # ------------------------------------------------------------------------------------------
@@ -529,7 +464,7 @@ class StreamedModel:
             if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
                 t = stored.pop(s.base)
             else:
-                t = decode_stacked_experts(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype)
+                t = decode_stacked(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype, name=s.base)
             t = self._convert(s, t.to(self.device))
             prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
             state[prefix][s.target[len(prefix) + 1:]] = t
