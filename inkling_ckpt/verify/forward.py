@@ -44,12 +44,12 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import CheckpointError, ConfigError, FormatError, InklingError
-from ..formats.stacked import DENOM, WEIGHT, decode_stacked, format_of_parts, stacked_parts
+from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
 
 SCHEMA = "inkling-ckpt/verify-forward/v1"
 INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
@@ -226,7 +226,8 @@ def _st_dtype(code: str, path: Path, name: str) -> torch.dtype:
 
 #: A stacked expert linear on disk (``…mlp.experts.w13_weight`` / ``w2_weight``) and its parts
 #: (the suffixes of inkling_ckpt.formats.stacked).
-_EXPERT_PART = re.compile(r"^(?P<base>.+\.mlp\.experts\.w(?:13|2)_weight)(?P<suffix>_scale|_amax|_outer_scale_denominator)?$")
+_EXPERT_PART = re.compile(r"^(?P<base>.+\.mlp\.experts\.w(?:13|2)_weight)(?P<suffix>"
+                          + "|".join(re.escape(x) for x in (SCALE, AMAX, DENOM)) + ")?$")
 
 #: Stored dtypes of unquantized experts other than BF16 that the forward accepts (an F32 or F16
 #: checkpoint); they are cast exactly as from_pretrained casts them, and reported by dtype.
