@@ -255,25 +255,24 @@ FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
 
 def test_bundled_bf16_fixture_is_bit_exact_with_from_pretrained(ids):
-    ids = ids % 500
+    ids = ids[:1] % 500
     ref = reference_logits(FIXTURES / "tiny-bf16", torch.bfloat16, ids)
     assert torch.equal(fwd.StreamedModel(FIXTURES / "tiny-bf16", dtype=torch.bfloat16).forward(ids), ref)
 
 
 def test_bundled_fixtures_self_and_mixed_vs_bf16(cli):
-    code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / "tiny-bf16", "--forward", "--random", "24",
-                         "--json", "-q")
+    code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / "tiny-bf16", "--forward", "--random", "16",
+                         "--batch", "1", "--json", "-q")
     assert code == 0, err
     rep = json.loads(out)
     assert rep["logits"]["kl_max"] == 0.0 and rep["logits"]["top1_agreement"] == 1.0
-    for variant, formats in (("mixed", {"nvfp4", "mxfp8"}), ("mxfp8", {"mxfp8"})):
-        code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / f"tiny-{variant}", "--forward",
-                             "--random", "24", "--json", "-q")
-        assert code == 0, err
-        rep = json.loads(out)
-        assert set(rep["b"]["expert_formats"]) == formats
-        assert rep["logits"]["first_diverging_layer"] == 0  # every layer's experts are quantized
-        assert all(r["rel_error"] > 0 for r in rep["layers"]) and rep["logits"]["kl_mean"] > 0
+    code, out, err = cli("verify", FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed", "--forward", "--random", "16",
+                         "--batch", "1", "--json", "-q")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert set(rep["b"]["expert_formats"]) == {"nvfp4", "mxfp8"}
+    assert rep["logits"]["first_diverging_layer"] == 0  # every layer's experts are quantized
+    assert all(r["rel_error"] > 0 for r in rep["layers"]) and rep["logits"]["kl_mean"] > 0
 
 
 # -- bad input ------------------------------------------------------------------------------
