@@ -1,0 +1,251 @@
+"""Reading trainer adapter dumps and engine adapter folders; writing adapter folders atomically."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from ..errors import AdapterError, CheckpointError, ConfigError
+from ..layouts.hf import DTYPE_TO_ST, read_header
+from ..layouts.staging import Staging
+from .manifest import MANIFEST_FILE, write_manifest
+from .schema import ENGINE_WRAPPERS, SCHEMA, ModelDims, Schema
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
+    except ValueError:
+        raise CheckpointError(f"{path}: {what} is not valid JSON") from None
+
+
+def load_dims(path: str | Path) -> ModelDims:
+    """Model dimensions from a release checkpoint folder or a ``config.json``."""
+    p = Path(path)
+    cfg = p / "config.json" if p.is_dir() else p
+    if not cfg.is_file():
+        raise ConfigError(f"{p}: no config.json")
+    data = read_json(cfg, "config")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg}: expected a JSON object")
+    return ModelDims.from_config(data)
+
+
+# ---- trainer side ---------------------------------------------------------------------------
+
+
+class TrainerSource:
+    """A trainer's adapter parameters on disk: names, shapes and dtypes from headers, data lazily."""
+
+    path: Path
+    metadata: dict[str, str]
+
+    def entries(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        raise NotImplementedError
+
+    def read(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        return None
+
+    @staticmethod
+    def open(path: str | Path) -> "TrainerSource":
+        """A torch_dist checkpoint folder, a ``.safetensors`` file, or a folder of them."""
+        p = Path(path)
+        if not p.exists():
+            raise CheckpointError(f"{p}: no such file or folder")
+        if p.is_file():
+            return SafetensorsSource([p])
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            return SafetensorsSource(files)
+        return TorchDistSource(p)
+
+
+class SafetensorsSource(TrainerSource):
+    def __init__(self, files: list[Path]):
+        self.path = files[0] if len(files) == 1 else files[0].parent
+        self._where: dict[str, Path] = {}
+        self._entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self.metadata = {}
+        for f in files:
+            for name, (shape, dtype, _) in read_header(f).items():
+                if name in self._where:
+                    raise CheckpointError(f"{name}: in both {self._where[name].name} and {f.name}")
+                self._where[name] = f
+                self._entries.append((name, shape, dtype))
+            try:
+                with safe_open(str(f), "pt") as h:
+                    self.metadata.update(h.metadata() or {})
+            except SafetensorError as e:
+                raise CheckpointError(f"{f}: not a safetensors file ({e})") from None
+        self._handles: dict[Path, Any] = {}
+
+    def entries(self):
+        return list(self._entries)
+
+    def read(self, name: str) -> torch.Tensor:
+        f = self._where[name]
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = safe_open(str(f), "pt")
+        return h.get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+class TorchDistSource(TrainerSource):
+    def __init__(self, path: Path):
+        from ..layouts.megatron import TorchDistCheckpoint
+
+        self.path = path
+        self.ckpt = TorchDistCheckpoint.open(path)
+        self.metadata = {}
+        args = self.ckpt.common.get("args") if isinstance(self.ckpt.common, dict) else None
+        alpha = getattr(args, "lora_alpha", None) if args is not None else None
+        if isinstance(alpha, (int, float)):
+            self.metadata["lora_alpha"] = str(alpha)
+
+    def entries(self):
+        return [(k, st.shape, st.dtype) for k, st in self.ckpt.keys.items()]
+
+    def read(self, name: str) -> torch.Tensor:
+        return self.ckpt.read(name)
+
+
+# ---- engine side ----------------------------------------------------------------------------
+
+
+def _st_header(entries: Sequence[tuple[str, tuple[int, ...], torch.dtype]], metadata: Mapping[str, str]):
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offsets: dict[str, int] = {}
+    pos = 0
+    for name, shape, dtype in entries:
+        n = _nbytes(shape, dtype)
+        header[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [pos, pos + n]}
+        offsets[name] = pos
+        pos += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, offsets, pos
+
+
+def write_adapter(st: Staging, config: Mapping[str, Any], planned: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                  tensors: Iterable[tuple[str, torch.Tensor]], *, on_written=None) -> dict[str, str]:
+    """Write ``adapter_model.safetensors`` (planned names in order; data streamed tensor by tensor),
+    the sha256 manifest and ``adapter_config.json`` into a staging folder. Returns the manifest."""
+    from .manifest import tensor_sha256
+
+    header, offsets, total = _st_header(planned, {"format": "pt"})
+    spec = {n: (tuple(s), d) for n, s, d in planned}
+    digests: dict[str, str] = {}
+    path = st.partial(WEIGHTS_FILE)
+    with open(path, "wb") as fh:
+        fh.write(header)
+        fh.truncate(len(header) + total)
+        for name, t in tensors:
+            want = spec.get(name)
+            if want is None or name in digests:
+                raise AdapterError(f"{name}: not planned, or produced twice")
+            if (tuple(t.shape), t.dtype) != want:
+                raise AdapterError(f"{name}: produced {t.dtype} {list(t.shape)}, planned {want[1]} {list(want[0])}")
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            fh.seek(len(header) + offsets[name])
+            fh.write(memoryview(data))
+            digests[name] = tensor_sha256(t)
+            if on_written is not None:
+                on_written(len(data))
+    left = [n for n in spec if n not in digests]
+    if left:
+        raise AdapterError(f"{left[0]}: planned but never produced ({len(left)} such)")
+    st.finish(WEIGHTS_FILE)
+    write_manifest(st.path / MANIFEST_FILE, digests)
+    (st.path / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
+    return digests
+
+
+@dataclass(frozen=True)
+class AdapterTensor:
+    name: str  # canonical engine name (wrapper prefix stripped)
+    stored: str  # the name in the file
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class Adapter:
+    """An engine adapter folder (``adapter_config.json`` + ``adapter_model.safetensors``), read lazily."""
+
+    def __init__(self, root: Path, config: dict[str, Any], tensors: dict[str, AdapterTensor], schema: Schema = SCHEMA):
+        self.root = root
+        self.config = config
+        self.tensors = tensors
+        self.schema = schema
+        self._h = None
+
+    @classmethod
+    def open(cls, path: str | Path) -> "Adapter":
+        root = Path(path)
+        cfg_path, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
+        if not cfg_path.is_file() or not weights.is_file():
+            raise CheckpointError(f"{root}: not an adapter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        config = read_json(cfg_path, "adapter config")
+        if not isinstance(config, dict) or str(config.get("peft_type", "")).upper() != "LORA":
+            raise AdapterError(f"{cfg_path}: peft_type is {config.get('peft_type') if isinstance(config, dict) else None!r}, expected LORA")
+        for k in ("r", "lora_alpha"):
+            v = config.get(k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise AdapterError(f"{cfg_path}: {k} must be a positive number, got {v!r}")
+        if not isinstance(config["r"], int):
+            raise AdapterError(f"{cfg_path}: r must be an integer, got {config['r']!r}")
+        if config.get("use_dora"):
+            raise AdapterError(f"{cfg_path}: DoRA adapters are not supported")
+        tensors: dict[str, AdapterTensor] = {}
+        for stored, (shape, dtype, _) in read_header(weights).items():
+            name = Schema._strip(stored, ENGINE_WRAPPERS)
+            if name in tensors:
+                raise AdapterError(f"{stored}: the same tensor as {tensors[name].stored}")
+            tensors[name] = AdapterTensor(name, stored, shape, dtype)
+        return cls(root, config, tensors)
+
+    @property
+    def rank(self) -> int:
+        return int(self.config["r"])
+
+    @property
+    def scale(self) -> float:
+        return float(self.config["lora_alpha"]) / self.rank
+
+    def _handle(self):
+        if self._h is None:
+            self._h = safe_open(str(self.root / WEIGHTS_FILE), "pt")
+        return self._h
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle().get_tensor(self.tensors[name].stored)
+
+    def get_slice(self, name: str):
+        return self._handle().get_slice(self.tensors[name].stored)
+
+    def nbytes(self) -> int:
+        return sum(_nbytes(t.shape, t.dtype) for t in self.tensors.values())
