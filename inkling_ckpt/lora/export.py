@@ -98,6 +98,7 @@ class LoraExport:
         table are errors. At the end, any module still missing a half or experts is an error.
         """
         pending: dict[tuple[str, int | None], _Pending] = {}
+        done: dict[tuple[str, int | None], dict[str, tuple[torch.Tensor, str]]] = {}  # emitted: shared factors
         for item in named_tensors:
             name, tensor = item[0], item[1]
             off = item[2] if len(item) > 2 else expert_offset
@@ -114,11 +115,16 @@ class LoraExport:
             if m.layer is not None and self.dims is not None and not 0 <= m.layer < self.dims.num_layers:
                 raise AdapterError(f"{name}: layer {m.layer} is outside 0..{self.dims.num_layers - 1}")
             tensor = self._dtype(name, tensor)
-            p = pending.setdefault((t.key, m.layer), _Pending(t, m.layer))
+            key = (t.key, m.layer)
+            if key in done:  # an EP rank's copy of a shared factor after its module was emitted
+                self._late_copy(done[key], m.side, name, tensor)
+                continue
+            p = pending.setdefault(key, _Pending(t, m.layer))
             p.sources.append(name)
             self._add(p, m.side, name, tensor, int(off))
             if self._complete(p):
-                del pending[(t.key, m.layer)]
+                del pending[key]
+                done[key] = p.shared
                 yield self._emit(p)
         if pending:
             p = next(iter(pending.values()))
@@ -167,6 +173,12 @@ class LoraExport:
         else:
             self._add_shared(p, side, name, t)
         self._check_pair(p)
+
+    def _late_copy(self, shared: dict[str, tuple[torch.Tensor, str]], side: str, name: str, t: torch.Tensor) -> None:
+        if side not in shared:
+            raise AdapterError(f"{name}: given again after its module was complete")
+        p = _Pending(Target("", ""), None, shared={side: shared[side]})
+        self._add_shared(p, side, name, t)
 
     def _add_shared(self, p: _Pending, side: str, name: str, t: torch.Tensor) -> None:
         # a shared factor: [r, H] / [H, r], or with a leading expert axis whose entries must agree
