@@ -100,6 +100,33 @@ def base_mixed(work, base_bf16) -> Path:
     return quantize_release(base_bf16, work / "base-mixed", MIXED)
 
 
+@pytest.fixture(scope="module")
+def ad_random(work, dims) -> Path:
+    """A random adapter folder, names with PEFT's ``base_model.model.`` prefix (accepted on read)."""
+    eng = engine(dims, trainer_adapter(dims, seed=5))
+    return write_adapter_dir(work / "ad-random", {"base_model.model." + n: t for n, t in eng.items()})
+
+
+@pytest.fixture(scope="module")
+def ad_zero(work, dims) -> Path:
+    """An adapter whose B factors are all zero (the trainer's initial state)."""
+    return write_adapter_dir(work / "ad-zero", engine(dims, trainer_adapter(dims, zero_b=True)))
+
+
+@pytest.fixture(scope="module")
+def merged_bf16(work, base_bf16, ad_random) -> Path:
+    out = work / "merged-bf16"
+    merge(base_bf16, ad_random, out, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def dump(work, dims) -> Path:
+    p = work / "trainer-dump.safetensors"
+    save_file(trainer_adapter(dims, seed=3), str(p), metadata={"lora_alpha": str(ALPHA)})
+    return p
+
+
 def trainer_adapter(dims: ModelDims, *, seed: int = 1, zero_b: bool = False, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """Megatron-Bridge-named LoRA factors of every target (whole tensors; unembed B padded to V rows)."""
     g = torch.Generator().manual_seed(seed)
@@ -310,10 +337,8 @@ def _torch_dist(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return folder
 
 
-def test_cli_export_from_safetensors_and_torch_dist_peft_reads_it(work, dims, base_bf16, cli):
+def test_cli_export_from_safetensors_and_torch_dist_peft_reads_it(work, dims, base_bf16, dump, cli):
     tr = trainer_adapter(dims, seed=3)
-    dump = work / "trainer-dump.safetensors"
-    save_file(tr, str(dump), metadata={"lora_alpha": str(ALPHA)})
     tdist = _torch_dist(work / "trainer-tdist", tr)
     out1, out2 = work / "exp-st", work / "exp-td"
     code, out, err = cli("lora", "export", dump, out1, "--config", base_bf16, "-q")
@@ -344,7 +369,7 @@ def read_all_adapter(folder: Path) -> dict[str, torch.Tensor]:
         return {n: f.get_tensor(n) for n in f.keys()}
 
 
-def test_cli_errors_are_one_line(work, dims, base_bf16, cli):
+def test_cli_errors_are_one_line(work, dims, base_bf16, ad_random, cli):
     tr = trainer_adapter(dims)
     tr["decoder.layers.2.self_attention.sink_proj.adapter.linear_in.weight"] = torch.zeros(R, 64, dtype=torch.bfloat16)
     dump = work / "bad-dump.safetensors"
@@ -354,13 +379,13 @@ def test_cli_errors_are_one_line(work, dims, base_bf16, cli):
     assert not (work / "bad-out").exists() and not list(work.glob(".bad-out*"))
     code, _, err = cli("lora", "export", dump, work / "bad-out", "--config", base_bf16)
     assert code == 2 and "give --alpha" in err
-    code, _, err = cli("lora", "merge", base_bf16, work / "exp-st", base_bf16 / "sub")
+    code, _, err = cli("lora", "merge", base_bf16, ad_random, base_bf16 / "sub")
     assert code == 2 and "overlaps the input" in err
 
 
-def test_inspect_verify_reports_a_changed_file(work, dims, base_bf16):
+def test_inspect_verify_reports_a_changed_file(work, dims, base_bf16, dump):
     d = work / "tamper"
-    export_adapter(work / "trainer-dump.safetensors", d, config=base_bf16, progress=False)
+    export_adapter(dump, d, config=base_bf16, progress=False)
     raw = bytearray((d / "adapter_model.safetensors").read_bytes())
     raw[-3] ^= 0xFF
     (d / "adapter_model.safetensors").write_bytes(bytes(raw))
@@ -405,33 +430,31 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
-def test_merge_bf16_equals_hand_merged_transformers_model(work, dims, base_bf16, cli):
+def test_merge_bf16_equals_hand_merged_transformers_model(work, dims, base_bf16, ad_random, cli):
     from transformers import Inkling2ForConditionalGeneration
 
     eng = engine(dims, trainer_adapter(dims, seed=5))
-    ad = write_adapter_dir(work / "ad-random", {"base_model.model." + n: t for n, t in eng.items()})  # PEFT prefix accepted
-    code, out, err = cli("lora", "merge", base_bf16, ad, work / "merged-bf16", "-q")
+    code, out, err = cli("lora", "merge", base_bf16, ad_random, work / "merged-cli", "-q")
     assert code == 0, err
     model = Inkling2ForConditionalGeneration.from_pretrained(base_bf16, dtype=torch.bfloat16)
     before = _logits(model)
     _hand_merge(model, eng, ALPHA / R)
     hand = _logits(model)
     model.save_pretrained(work / "hand-bf16")
-    ours, theirs = read_all(work / "merged-bf16"), read_all(work / "hand-bf16")
+    ours, theirs = read_all(work / "merged-cli"), read_all(work / "hand-bf16")
     assert ours.keys() == theirs.keys()
     differ = [n for n in ours if ours[n].dtype != theirs[n].dtype or not torch.equal(ours[n].view(torch.uint8) if ours[n].dtype == torch.uint8 else ours[n], theirs[n])]
     assert differ == []
     base = read_all(base_bf16)
     assert sum(not torch.equal(base[n], ours[n]) for n in ours) == 6 * 8 + 1  # every adapted tensor changed
-    merged = Inkling2ForConditionalGeneration.from_pretrained(work / "merged-bf16", dtype=torch.bfloat16)
+    merged = Inkling2ForConditionalGeneration.from_pretrained(work / "merged-cli", dtype=torch.bfloat16)
     got = _logits(merged)
     assert torch.equal(got, hand)  # bit for bit
     assert not torch.equal(got, before)
 
 
-def test_zero_adapter_merges_to_the_base_byte_for_byte(work, dims, base_bf16, base_mixed):
-    eng = engine(dims, trainer_adapter(dims, zero_b=True))
-    ad = write_adapter_dir(work / "ad-zero", eng)
+def test_zero_adapter_merges_to_the_base_byte_for_byte(work, dims, base_bf16, base_mixed, ad_zero):
+    ad = ad_zero
     for base in (base_bf16, base_mixed):
         out = work / f"zero-{base.name}"
         res = merge(base, ad, out, progress=False)
@@ -442,7 +465,7 @@ def test_zero_adapter_merges_to_the_base_byte_for_byte(work, dims, base_bf16, ba
             assert (base / n).read_bytes() == (out / n).read_bytes(), n
 
 
-def test_reencoding_a_zero_delta_keeps_values_not_always_bytes(work, dims, base_mixed):
+def test_reencoding_a_zero_delta_keeps_values_not_always_bytes(work, dims, base_mixed, ad_zero):
     """Why the merge keeps the bytes of zero-delta experts. Re-encoding the decoded base gives the
     same values, but not always the same bytes: NVFP4 turns a negative value that rounded to zero
     (nibble 0x8, -0.0) into +0 (0x0); MXFP8's fresh block scale of a block whose maximum decoded
@@ -450,7 +473,7 @@ def test_reencoding_a_zero_delta_keeps_values_not_always_bytes(work, dims, base_
     from inkling_ckpt.lora import _stacked
 
     out = work / "zero-reencoded"
-    merge(base_mixed, work / "ad-zero", out, progress=False, passthrough_zero=False)
+    merge(base_mixed, ad_zero, out, progress=False, passthrough_zero=False)
     base, ours = read_all(base_mixed), read_all(out)
     meta = {n: (tuple(t.shape), t.dtype) for n, t in base.items()}
     byte_diffs = {}
@@ -480,7 +503,6 @@ def test_merge_quantized_layers_sqnr_and_kept_scales(work, dims, base_bf16, base
     ad = write_adapter_dir(work / "ad-q", eng)
     res = merge(base_mixed, ad, work / "merged-mixed", progress=False, measure=True)
     base, ours = read_all(base_mixed), read_all(work / "merged-mixed")
-    ref_bf16 = read_all(work / "merged-bf16") if (work / "merged-bf16").exists() else None
     for i, fmt in MIXED.items():
         for proj in ("w13_weight", "w2_weight"):
             n = P.format(i=i) + proj
@@ -507,10 +529,9 @@ def test_merge_quantized_layers_sqnr_and_kept_scales(work, dims, base_bf16, base
     for name, db in res.sqnr.items():
         i = int(name.split(".")[3])
         assert math.isfinite(db) and db > (15 if MIXED[i] == "nvfp4" else 25), (name, db)
-    del ref_bf16
 
 
-def test_merge_rejects_incomplete_or_mismatched_adapters(work, dims, base_bf16):
+def test_merge_rejects_incomplete_or_mismatched_adapters(work, dims, base_bf16, ad_zero):
     eng = engine(dims, trainer_adapter(dims))
     bad = dict(eng)
     del bad["language_model.layers.1.mlp.experts.w3.lora_B.weight"]
@@ -526,21 +547,63 @@ def test_merge_rejects_incomplete_or_mismatched_adapters(work, dims, base_bf16):
         merge(base_bf16, write_adapter_dir(work / "ad-bad3", bad), work / "never3", progress=False)
     assert not any((work / f"never{i}").exists() for i in (1, 2, 3))
     with pytest.raises(OutputError):
-        merge(base_bf16, work / "ad-zero", base_bf16, progress=False, force=True)
+        merge(base_bf16, ad_zero, base_bf16, progress=False, force=True)
 
 
-def test_merge_resumes_and_skips_a_finished_job(work, dims, base_bf16):
-    ad = work / "ad-zero"
+def test_merge_resumes_and_skips_a_finished_job(work, dims, base_bf16, ad_zero, ad_random):
+    ad = ad_zero
     out = work / "resume"
     first = merge(base_bf16, ad, out, progress=False)
     assert not first.skipped
     again = merge(base_bf16, ad, out, progress=False)
     assert again.skipped
     with pytest.raises(OutputError):
-        merge(base_bf16, work / "ad-random", out, progress=False)  # another job: refuse without --force
+        merge(base_bf16, ad_random, out, progress=False)  # another job: refuse without --force
 
 
-def test_adapter_reader_accepts_the_peft_prefix(work):
-    ad = Adapter.open(work / "ad-random")
+def test_adapter_reader_accepts_the_peft_prefix(ad_random):
+    ad = Adapter.open(ad_random)
     assert all(not n.startswith("base_model.model.") for n in ad.tensors)
     assert ad.scale == ALPHA / R
+
+
+def test_sharded_base_merges_like_one_file_and_an_interrupted_run_resumes(work, dims, base_bf16, ad_random, merged_bf16,
+                                                                         monkeypatch):
+    from transformers import Inkling2ForConditionalGeneration
+
+    import importlib
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+
+    sharded = work / "base-sharded"
+    Inkling2ForConditionalGeneration.from_pretrained(base_bf16, dtype=torch.bfloat16).save_pretrained(
+        sharded, max_shard_size="150KB")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 3 and (sharded / "model.safetensors.index.json").is_file()
+    ad = ad_random
+    whole = read_all(merged_bf16)  # the one-file merge of the same adapter
+
+    calls = {"n": 0}
+    real_finish = merge_mod.Staging.finish
+
+    def flaky_finish(self, rel):  # the process dies after two shard files were published in staging
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_finish(self, rel)
+
+    out = work / "merged-sharded"
+    monkeypatch.setattr(merge_mod.Staging, "finish", flaky_finish)
+    with pytest.raises(KeyboardInterrupt):
+        merge(sharded, ad, out, progress=False)
+    monkeypatch.setattr(merge_mod.Staging, "finish", real_finish)
+    assert not out.exists()
+    res = merge(sharded, ad, out, progress=False)
+    assert res.resumed and res.files < len(shards)  # finished shards were kept, not redone
+    got = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            got.update({n: h.get_tensor(n) for n in h.keys()})
+    assert got.keys() == whole.keys()
+    assert all(torch.equal(got[n], whole[n]) for n in whole)
+    assert (out / "model.safetensors.index.json").read_bytes() == (sharded / "model.safetensors.index.json").read_bytes()

@@ -237,8 +237,13 @@ class _Merger:
                 pos += len(chunk)
         self.advance(b - a)
 
-    def factor(self, u: _Unit, k: tuple[int, str]) -> torch.Tensor:
-        return self.adapter.get(u.factors[k]).to(torch.float32)
+    def factor(self, u: _Unit, k: tuple[int, str], e: int | None = None) -> torch.Tensor:
+        """An adapter factor (or expert ``e`` of a stacked one) in float32; non-finite values refused."""
+        n = u.factors[k]
+        t = (self.adapter.get(n) if e is None else self.adapter.get_slice(n)[e]).to(torch.float32)
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{self.adapter.tensors[n].stored}: holds NaN or Inf")
+        return t
 
     def linear(self, u: _Unit) -> None:
         A = self.factor(u, (0, "A"))
@@ -248,19 +253,18 @@ class _Merger:
         out_rows, cols = shape
         row_bytes = cols * torch.empty((), dtype=dtype).element_size()
         changed = False
+        zero_a = not bool(A.any())
         for r0 in range(0, out_rows, ROW_CHUNK):
             r1 = min(out_rows, r0 + ROW_CHUNK)
             b0, b1 = min(r0, B.shape[0]), min(r1, B.shape[0])
-            if b1 > b0:
-                delta = B[b0:b1] @ A
-                if self.passthrough_zero and not bool(delta.any()):
-                    delta = None
-            else:
-                delta = None
+            # finite factors: B @ A is exactly zero when either factor is (no need to form it)
+            live = b1 > b0 and not (self.passthrough_zero and (zero_a or not bool(B[b0:b1].any())))
             w = self.base.slice(u.base)[r0:r1]
-            if delta is not None:
+            if live:
+                delta = B[b0:b1] @ A
+                delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
                 m = w.to(torch.float32)
-                m[: b1 - b0] += self.s * delta
+                m[: b1 - b0] += delta
                 w = m.to(dtype)
                 changed = True
             self.out.write(f, start + r0 * row_bytes, _bytes(w))
@@ -278,27 +282,30 @@ class _Merger:
         for k, n in u.factors.items():
             if self.adapter.tensors[n].shape[0] == 1:
                 shared[k] = self.factor(u, k)[0]
+        pairs = [(0, "B", 0, "A"), (1, "B", 1, "A")] if gate_up else [(0, "B", 0, "A")]
         spans = {s: self.base.span(u.base + s) for s in ["", *fmt.per_expert]}
         per = {s: (b - a) // E for s, (_, a, b) in spans.items()}
         sig = sq = 0.0
         changed = False
         for e in range(E):
-            fac = {k: shared[k] if k in shared else self.adapter.get_slice(n)[e].to(torch.float32)
-                   for k, n in u.factors.items()}
-            if gate_up:
-                g = fac[(0, "B")] @ fac[(0, "A")]
-                up = fac[(1, "B")] @ fac[(1, "A")]
-                delta = torch.empty((2 * g.shape[0], g.shape[1]), dtype=torch.float32)
-                delta[0::2], delta[1::2] = g, up  # w13 rows are gate/up interleaved on disk
-            else:
-                delta = fac[(0, "B")] @ fac[(0, "A")]
+            fac = {k: shared[k] if k in shared else self.factor(u, k, e) for k in u.factors}
+            # which products are non-zero (finite factors: zero iff a factor is all zero)
+            live = [p for p in pairs if not self.passthrough_zero or (bool(fac[p[:2]].any()) and bool(fac[p[2:]].any()))]
             parts = {s: self.base.slice(u.base + s)[e] for s in ["", *fmt.per_expert]}
-            if self.passthrough_zero and not bool(delta.any()):
+            if not live:
                 new = parts
                 self.res.unchanged_experts += 1
             else:
                 x = _stacked.decode_expert(fmt, parts, kept, e)
-                x += self.s * delta
+                # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
+                rows = x.view(x.shape[0] // 2, 2, x.shape[1]) if gate_up else None
+                for i, bs, j, as_ in live:
+                    d = fac[(i, bs)] @ fac[(j, as_)]
+                    d.mul_(self.s)  # W + s * (B @ A), rounded in that order
+                    if rows is None:
+                        x += d
+                    else:
+                        rows[:, i].add_(d)
                 new = _stacked.encode_expert(fmt, x, kept, e, wdtype)
                 changed = True
                 if self.measure and fmt.name != "bf16":
