@@ -39,8 +39,9 @@ def export_cmd(
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """Write OUT/adapter_config.json, adapter_model.safetensors (engine names, BF16, shared-outer
-    experts) and adapter_sha256.json (the sync check's manifest). Validates everything from headers first."""
+    """Write OUT/adapter_config.json, adapter_model.safetensors (engine names, BF16, shared-outer experts) and adapter_sha256.json (the sync check's manifest).
+
+    Everything is validated from the headers before anything is written: unknown or excluded modules (the attention sink projection), a factor without its pair, ranks that disagree, shapes that do not fit --config."""
     from ..lora import export_adapter
 
     tm: object = target_modules if target_modules in ("all-linear", "all") else [s.strip() for s in target_modules.split(",") if s.strip()]
@@ -66,9 +67,9 @@ def merge_cmd(
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """W + (alpha/r)·B·A per adapted tensor, re-encoded in its layer's format with the base's kept
-    scales (NVFP4 amax/denominator kept; MXFP8 fresh block scales). Untouched tensors, and experts
-    whose delta is zero, keep their bytes. One expert in memory at a time."""
+    """Write a release checkpoint with W + (alpha/r)·B·A for every adapted tensor.
+
+    Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. One expert in memory at a time; a rerun resumes."""
     from ..lora import merge
 
     res = merge(base, adapter, out, force=force, progress=not quiet, measure=sqnr)

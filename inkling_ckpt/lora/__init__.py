@@ -12,7 +12,7 @@ Files: :func:`export_adapter` (torch_dist / safetensors dump -> PEFT folder), :f
 """
 
 from .export import AdapterGroup, ExportResult, LoraExport, adapter_config, export_adapter, plan
-from .inspect import inspect_adapter, render_adapter
+from .inspect import inspect_adapter, is_adapter_folder, render_adapter
 from .io import Adapter, TrainerSource, load_dims
 from .manifest import (MANIFEST_FILE, ManifestReport, build_manifest, check_manifest, read_manifest,
                        verify_manifest, write_manifest)
@@ -22,6 +22,6 @@ from .schema import SCHEMA, TARGETS, ModelDims, Schema, Target
 __all__ = [
     "Adapter", "AdapterGroup", "ExportResult", "LoraExport", "MANIFEST_FILE", "ManifestReport", "MergeResult",
     "ModelDims", "SCHEMA", "Schema", "TARGETS", "Target", "TrainerSource", "adapter_config", "build_manifest",
-    "check_manifest", "export_adapter", "inspect_adapter", "load_dims", "merge", "plan", "read_manifest",
+    "check_manifest", "export_adapter", "inspect_adapter", "is_adapter_folder", "load_dims", "merge", "plan", "read_manifest",
     "render_adapter", "verify_manifest", "write_manifest",
 ]

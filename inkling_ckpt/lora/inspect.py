@@ -12,6 +12,12 @@ from .manifest import MANIFEST_FILE, read_manifest, verify_manifest
 from .schema import SCHEMA, ExpertsDown, ExpertsGateUp
 
 
+def is_adapter_folder(path: str | Path) -> bool:
+    """Whether ``path`` looks like an engine adapter folder (for ``inspect`` to dispatch on)."""
+    p = Path(path)
+    return (p / "adapter_config.json").is_file() and (p / "adapter_model.safetensors").is_file()
+
+
 def inspect_adapter(path: str | Path, *, verify: bool = False) -> dict[str, Any]:
     """A JSON-ready summary of an engine adapter folder: config, modules per row, layers, bytes,
     shared-outer layout, and (``verify``) the sha256 manifest check."""
