@@ -346,7 +346,7 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
     src_p, dst_p = Path(src), Path(dst)
     check_output_path(dst_p, src_p)
     dims = load_dims(config)
-    source = TrainerSource.open(src_p)
+    source = TrainerSource.open(src_p, num_layers=dims.num_layers)
     if alpha is None:
         raw = source.metadata.get("lora_alpha")
         try:
@@ -365,7 +365,8 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
     res = ExportResult(dst_p, rank=conv.rank, alpha=alpha, ignored=len(conv.skipped), tensors=len(planned))
     res.bytes = sum(g.nbytes for g in groups)
     job = {"what": "lora-export", "source": str(src_p.resolve()), "source_files": _identity(src_p),
-           "config": str(Path(config).resolve()), "alpha": alpha, "cast": cast, "target_modules": target_modules}
+           "config": str(Path(config).resolve()), "config_files": _identity(Path(config)), "alpha": alpha,
+           "cast": cast, "target_modules": target_modules}
     real = LoraExport(alpha=alpha, rank=conv.rank, dims=dims, cast=cast)
 
     def tensors():

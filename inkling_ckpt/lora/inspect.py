@@ -9,7 +9,7 @@ from typing import Any
 from ..layouts.hf import DTYPE_TO_ST
 from .io import Adapter, _nbytes
 from .manifest import MANIFEST_FILE, read_manifest, verify_manifest
-from .schema import SCHEMA, ExpertsDown, ExpertsGateUp
+from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp
 
 
 def is_adapter_folder(path: str | Path) -> bool:
@@ -31,7 +31,7 @@ def inspect_adapter(path: str | Path, *, verify: bool = False) -> dict[str, Any]
         nb = _nbytes(t.shape, t.dtype)
         dtypes[DTYPE_TO_ST.get(t.dtype, str(t.dtype))] += nb
         m = SCHEMA.engine(name)
-        if m is None:
+        if m is None or isinstance(m.target.rule, Excluded):
             unknown.append(t.stored)
             continue
         row = rows.setdefault(m.target.key, {"tensors": 0, "bytes": 0, "layers": set()})
@@ -58,7 +58,7 @@ def inspect_adapter(path: str | Path, *, verify: bool = False) -> dict[str, Any]
         "shared_outer_experts": shared_outer,
         "modules": {k: {"tensors": v["tensors"], "bytes": v["bytes"], "layers": sorted(v["layers"])}
                     for k, v in rows.items()},
-        "unknown_tensors": unknown,
+        "unknown_tensors": unknown,  # outside the schema, or on a module it excludes
         "manifest": None,
     }
     mpath = ad.root / MANIFEST_FILE
@@ -86,7 +86,8 @@ def render_adapter(info: dict[str, Any]) -> str:
     for k, v in info["modules"].items():
         lines.append(f"  {k:<10} {v['tensors']:>8} {v['bytes']:>12}  {_ranges(v['layers']) or 'model'}")
     if info["unknown_tensors"]:
-        lines.append(f"  not in the schema: {len(info['unknown_tensors'])} (first: {info['unknown_tensors'][0]})")
+        lines.append(f"  not in the schema or excluded by it: {len(info['unknown_tensors'])} "
+                     f"(first: {info['unknown_tensors'][0]})")
     man = info["manifest"]
     if man is None:
         lines.append("  sha256 manifest: none")

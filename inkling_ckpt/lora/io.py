@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,46 @@ def read_json(path: Path, what: str) -> Any:
         raise CheckpointError(f"{path}: {what} is not valid JSON") from None
 
 
+class TensorFile:
+    """A safetensors file read with plain ``pread`` at the header's offsets, never memory-mapped:
+    what was read is not kept resident, so memory stays bounded by the tensors held (a mapped
+    file's touched pages would count in the process's RSS and grow with the file)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries = read_header(path)  # name -> (shape, dtype, absolute offset), sizes checked
+        self._fd: int | None = None
+
+    def read(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor ``name``, or rows ``lo:hi`` of its first dimension."""
+        shape, dtype, offset = self.entries[name]
+        if lo is None:
+            lo, hi, lead = 0, None, shape
+        else:
+            lead = (hi - lo, *shape[1:])
+        row = _nbytes(shape[1:], dtype) if shape else 0
+        n = _nbytes(lead, dtype)
+        if self._fd is None:
+            try:
+                self._fd = os.open(self.path, os.O_RDONLY)
+            except OSError as e:
+                raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+        buf = bytearray(n)
+        view, got, pos = memoryview(buf), 0, offset + lo * row
+        while got < n:
+            k = os.preadv(self._fd, [view[got:]], pos + got)
+            if k <= 0:
+                raise CheckpointError(f"{self.path}: truncated inside {name}")
+            got += k
+        t = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        return t.view(dtype).reshape(lead)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def load_dims(path: str | Path) -> ModelDims:
     """Model dimensions from a release checkpoint folder or a ``config.json``."""
     p = Path(path)
@@ -69,8 +110,11 @@ class TrainerSource:
         return None
 
     @staticmethod
-    def open(path: str | Path) -> "TrainerSource":
-        """A torch_dist checkpoint folder, a ``.safetensors`` file, or a folder of them."""
+    def open(path: str | Path, num_layers: int | None = None) -> "TrainerSource":
+        """A torch_dist checkpoint folder, a ``.safetensors`` file, or a folder of them.
+
+        ``num_layers``: a torch_dist checkpoint saved with homogeneous (stacked) layers presents
+        ``decoder.layers.<name>`` ``[L, …]`` as per-layer keys."""
         p = Path(path)
         if not p.exists():
             raise CheckpointError(f"{p}: no such file or folder")
@@ -79,48 +123,47 @@ class TrainerSource:
         files = sorted(p.glob("*.safetensors"))
         if files:
             return SafetensorsSource(files)
-        return TorchDistSource(p)
+        return TorchDistSource(p, num_layers)
 
 
 class SafetensorsSource(TrainerSource):
     def __init__(self, files: list[Path]):
         self.path = files[0] if len(files) == 1 else files[0].parent
-        self._where: dict[str, Path] = {}
+        self._where: dict[str, TensorFile] = {}
         self._entries: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self.metadata = {}
         for f in files:
-            for name, (shape, dtype, _) in read_header(f).items():
+            tf = TensorFile(f)
+            for name, (shape, dtype, _) in tf.entries.items():
                 if name in self._where:
-                    raise CheckpointError(f"{name}: in both {self._where[name].name} and {f.name}")
-                self._where[name] = f
+                    raise CheckpointError(f"{name}: in both {self._where[name].path.name} and {f.name}")
+                self._where[name] = tf
                 self._entries.append((name, shape, dtype))
             try:
-                with safe_open(str(f), "pt") as h:
+                with safe_open(str(f), "pt") as h:  # header metadata only
                     self.metadata.update(h.metadata() or {})
             except SafetensorError as e:
                 raise CheckpointError(f"{f}: not a safetensors file ({e})") from None
-        self._handles: dict[Path, Any] = {}
 
     def entries(self):
         return list(self._entries)
 
     def read(self, name: str) -> torch.Tensor:
-        f = self._where[name]
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = safe_open(str(f), "pt")
-        return h.get_tensor(name)
+        return self._where[name].read(name)
 
     def close(self) -> None:
-        self._handles.clear()
+        for tf in set(self._where.values()):
+            tf.close()
 
 
 class TorchDistSource(TrainerSource):
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, num_layers: int | None = None):
         from ..layouts.megatron import TorchDistCheckpoint
 
         self.path = path
         self.ckpt = TorchDistCheckpoint.open(path)
+        if num_layers is not None:
+            self.ckpt.unstack_layers(num_layers)
         self.metadata = {}
         args = self.ckpt.common.get("args") if isinstance(self.ckpt.common, dict) else None
         alpha = getattr(args, "lora_alpha", None) if args is not None else None
@@ -236,16 +279,22 @@ class Adapter:
     def scale(self) -> float:
         return float(self.config["lora_alpha"]) / self.rank
 
-    def _handle(self):
-        if self._h is None:
-            self._h = safe_open(str(self.root / WEIGHTS_FILE), "pt")
-        return self._h
-
     def get(self, name: str) -> torch.Tensor:
-        return self._handle().get_tensor(self.tensors[name].stored)
+        return self._file().read(self.tensors[name].stored)
 
-    def get_slice(self, name: str):
-        return self._handle().get_slice(self.tensors[name].stored)
+    def get_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``lo:hi`` of the first dimension (one expert of a stacked factor)."""
+        return self._file().read(self.tensors[name].stored, lo, hi)
+
+    def close(self) -> None:
+        if self._h is not None:
+            self._h.close()
+            self._h = None
+
+    def _file(self) -> TensorFile:
+        if self._h is None:
+            self._h = TensorFile(self.root / WEIGHTS_FILE)
+        return self._h
 
     def nbytes(self) -> int:
         return sum(_nbytes(t.shape, t.dtype) for t in self.tensors.values())

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..errors import AdapterError, CheckpointError, OutputError
 from ..layouts.hf import INDEX
@@ -30,8 +29,8 @@ from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
 from ..progress import ByteProgress
 from . import _stacked
-from .io import Adapter, read_json
-from .schema import SCHEMA, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
+from .io import Adapter, TensorFile, read_json
+from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"
 ROW_CHUNK = 8192  # rows of a big linear (the unembed) merged at a time
@@ -95,19 +94,23 @@ class _Base:
             if bad:
                 raise CheckpointError(f"{root / INDEX}: {bad[0]} is not in {wm[bad[0]]}")
         self.meta = {n: (self.headers[f].entries[n][0], self.headers[f].entries[n][1]) for n, f in self.where.items()}
-        self._h: dict[str, Any] = {}
+        self._files: dict[str, TensorFile] = {}
 
-    def handle(self, name: str):
+    def _file(self, name: str) -> TensorFile:
         f = self.where[name]
-        if f not in self._h:
-            self._h[f] = safe_open(str(self.root / f), "pt")
-        return self._h[f]
+        if f not in self._files:
+            self._files[f] = TensorFile(self.root / f)
+        return self._files[f]
 
     def get(self, name: str) -> torch.Tensor:
-        return self.handle(name).get_tensor(name)
+        return self._file(name).read(name)
 
-    def slice(self, name: str):
-        return self.handle(name).get_slice(name)
+    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self._file(name).read(name, lo, hi)
+
+    def close(self) -> None:
+        for tf in self._files.values():
+            tf.close()
 
     def span(self, name: str) -> tuple[str, int, int]:
         """(file, absolute start, absolute stop) of a tensor's bytes."""
@@ -124,6 +127,8 @@ def plan_units(base: _Base, adapter: Adapter, schema: Schema = SCHEMA) -> list[_
         m = schema.engine(name)
         if m is None:
             raise AdapterError(f"{adapter.tensors[name].stored}: not an adapter tensor of the schema")
+        if isinstance(m.target.rule, Excluded):
+            raise AdapterError(f"{adapter.tensors[name].stored}: {m.target.rule.why}; the schema excludes this module")
         key = (m.target.key, m.layer)
         u = found.get(key)
         if u is None:
@@ -240,7 +245,7 @@ class _Merger:
     def factor(self, u: _Unit, k: tuple[int, str], e: int | None = None) -> torch.Tensor:
         """An adapter factor (or expert ``e`` of a stacked one) in float32; non-finite values refused."""
         n = u.factors[k]
-        t = (self.adapter.get(n) if e is None else self.adapter.get_slice(n)[e]).to(torch.float32)
+        t = (self.adapter.get(n) if e is None else self.adapter.get_rows(n, e, e + 1)[0]).to(torch.float32)
         if not bool(torch.isfinite(t).all()):
             raise AdapterError(f"{self.adapter.tensors[n].stored}: holds NaN or Inf")
         return t
@@ -259,7 +264,7 @@ class _Merger:
             b0, b1 = min(r0, B.shape[0]), min(r1, B.shape[0])
             # finite factors: B @ A is exactly zero when either factor is (no need to form it)
             live = b1 > b0 and not (self.passthrough_zero and (zero_a or not bool(B[b0:b1].any())))
-            w = self.base.slice(u.base)[r0:r1]
+            w = self.base.rows(u.base, r0, r1)
             if live:
                 delta = B[b0:b1] @ A
                 delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
@@ -291,7 +296,7 @@ class _Merger:
             fac = {k: shared[k] if k in shared else self.factor(u, k, e) for k in u.factors}
             # which products are non-zero (finite factors: zero iff a factor is all zero)
             live = [p for p in pairs if not self.passthrough_zero or (bool(fac[p[:2]].any()) and bool(fac[p[2:]].any()))]
-            parts = {s: self.base.slice(u.base + s)[e] for s in ["", *fmt.per_expert]}
+            parts = {s: self.base.rows(u.base + s, e, e + 1)[0] for s in ["", *fmt.per_expert]}
             if not live:
                 new = parts
                 self.res.unchanged_experts += 1
@@ -373,11 +378,21 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
     job = {"what": "lora-merge", "base": str(base_p.resolve()), "base_files": _identity(base_p),
            "adapter": str(ad_p.resolve()), "adapter_files": _identity(ad_p), "passthrough_zero": passthrough_zero}
     res = MergeResult(dst_p)
+    try:
+        _merge_into(b, ad, units, dst_p, job, force, progress, measure, passthrough_zero, res)
+    finally:
+        b.close()
+        ad.close()
+    return res
+
+
+def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dict, force: bool, progress: bool,
+                measure: bool, passthrough_zero: bool, res: MergeResult) -> None:
     unit_of = {n: u for u in units for n in u.writes}
     with Staging(dst_p, job, force) as st:
         if st.done:
             res.skipped = True
-            return res
+            return
         res.resumed = st.resumed
         total = sum((b.root / f).stat().st_size for f in b.files)
         with ByteProgress(total, desc="lora merge", enabled=progress) as bar:
@@ -406,7 +421,6 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
                 if p.is_file() and not p.name.startswith(".") and p.name not in b.files:
                     shutil.copyfile(p, st.path / p.name)
         res.bytes = total
-    return res
 
 
 __all__ = ["MergeResult", "merge", "plan_units", "check_output_path"]

@@ -93,12 +93,17 @@ TARGETS: tuple[Target, ...] = (
     Target("fc2", _L + "mlp.experts.linear_fc2.adapter", (_E + "mlp.experts.w2",), _B + "mlp.experts.w2_weight", ExpertsDown()),
     Target("lm_head", "output_layer.adapter", ("language_model.lm_head",), "model.llm.unembed.weight", Linear("Vu", "H", trim_out="Vu")),
     # no adapter, ever (spec/lora.md "never")
-    Target("sink", _L + "self_attention.sink_proj.adapter", rule=Excluded("the attention sink projection gets no adapter")),
-    Target("router", _L + "mlp.router.adapter", rule=Excluded("the router gets no adapter")),
-    Target("rel_proj", _L + "self_attention.rel_proj.adapter", rule=Excluded("rel_logits_proj gets no adapter")),
-    Target("k_sconv", _L + "self_attention.k_sconv.weight_proj.adapter", rule=Excluded("short convolutions get no adapter")),
-    Target("v_sconv", _L + "self_attention.v_sconv.weight_proj.adapter", rule=Excluded("short convolutions get no adapter")),
-    Target("embed", "embedding.word_embeddings.adapter", rule=Excluded("the embedding gets no adapter")),
+    Target("sink", _L + "self_attention.sink_proj.adapter", (_E + "attn.attn_sink_proj",),
+           rule=Excluded("the attention sink projection gets no adapter")),
+    Target("router", _L + "mlp.router.adapter", (_E + "mlp.gate",), rule=Excluded("the router gets no adapter")),
+    Target("rel_proj", _L + "self_attention.rel_proj.adapter", (_E + "attn.rel_logits_proj",),
+           rule=Excluded("rel_logits_proj gets no adapter")),
+    Target("k_sconv", _L + "self_attention.k_sconv.weight_proj.adapter", (_E + "attn.k_sconv.weight_proj",),
+           rule=Excluded("short convolutions get no adapter")),
+    Target("v_sconv", _L + "self_attention.v_sconv.weight_proj.adapter", (_E + "attn.v_sconv.weight_proj",),
+           rule=Excluded("short convolutions get no adapter")),
+    Target("embed", "embedding.word_embeddings.adapter", ("language_model.embed_tokens",),
+           rule=Excluded("the embedding gets no adapter")),
 )
 
 
