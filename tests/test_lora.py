@@ -246,7 +246,9 @@ def test_buckets_respect_the_budget_and_never_split_a_module(dims):
 
 
 @pytest.mark.parametrize("case, needle", [
-    ("rank", "decoder.layers.1.self_attention.linear_proj.adapter.linear_out.weight: rank 3"),
+    ("rank", "decoder.layers.1.self_attention.linear_proj.adapter.linear_out.weight: rank 3 differs from its A factor "
+             "decoder.layers.1.self_attention.linear_proj.adapter.linear_in.weight (rank 4)"),
+    ("rank_global", "decoder.layers.2.self_attention.linear_gate.adapter.linear_in.weight: rank 3, but the adapter's rank is 4"),
     ("missing", "decoder.layers.0.self_attention.linear_gate.adapter.linear_in.weight: its other half"),
     ("sink", "decoder.layers.0.self_attention.sink_proj.adapter.linear_in.weight: the attention sink projection gets no adapter"),
     ("shared_axis", "decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight: shared factor differs across experts"),
@@ -260,6 +262,9 @@ def test_export_errors_name_the_tensor(dims, case, needle):
     items = list(tr.items())
     if case == "rank":
         items = [(n, t[:, :3] if n.endswith("1.self_attention.linear_proj.adapter.linear_out.weight") else t) for n, t in items]
+    elif case == "rank_global":  # A and B agree with each other, not with the rest of the adapter
+        items = [(n, t[:3] if n.endswith("2.self_attention.linear_gate.adapter.linear_in.weight") else
+                  t[:, :3] if n.endswith("2.self_attention.linear_gate.adapter.linear_out.weight") else t) for n, t in items]
     elif case == "missing":
         items = [(n, t) for n, t in items if n != "decoder.layers.0.self_attention.linear_gate.adapter.linear_out.weight"]
     elif case == "sink":

@@ -166,13 +166,13 @@ class LoraExport:
                 raise AdapterError(f"{name}: given twice")
             if t.dim() != 2:
                 raise AdapterError(f"{name}: expected a 2-D factor, got shape {list(t.shape)}")
-            self._set_rank(name, t.shape[0] if side == "A" else t.shape[1])
             p.whole[side] = (t, name)
         elif side == per_expert_side:
             self._add_experts(p, side, name, t, off)
         else:
             self._add_shared(p, side, name, t)
-        self._check_pair(p)
+        self._check_pair(p)  # A and B of this module first (names both), then the adapter-wide rank
+        self._set_rank(name, t.shape[-2] if side == "A" else t.shape[-1])  # A [.., r, in], B [.., out, r]
 
     def _late_copy(self, shared: dict[str, tuple[torch.Tensor, str]], side: str, name: str, t: torch.Tensor) -> None:
         if side not in shared:
@@ -191,7 +191,6 @@ class LoraExport:
             t = t[0]
         if t.dim() != 2:
             raise AdapterError(f"{name}: expected a shared 2-D factor, got shape {list(t.shape)}")
-        self._set_rank(name, t.shape[0] if side == "A" else t.shape[1])
         prev = p.shared.get(side)
         if prev is None:
             p.shared[side] = (t, name)
@@ -203,7 +202,6 @@ class LoraExport:
     def _add_experts(self, p: _Pending, side: str, name: str, t: torch.Tensor, off: int) -> None:
         if t.dim() != 3:
             raise AdapterError(f"{name}: expected a per-expert factor [experts, …], got shape {list(t.shape)}")
-        self._set_rank(name, t.shape[1] if side == "A" else t.shape[2])
         n = t.shape[0]
         E = self.num_experts
         if E is None:
@@ -232,15 +230,14 @@ class LoraExport:
         covered[off:off + n] = True
 
     def _check_pair(self, p: _Pending) -> None:
-        """A/B rank agreement (redundant with the global rank check, but names both halves)."""
+        """The rank of a module's A and B factors must agree (the error names both)."""
         a = p.whole.get("A") or p.shared.get("A")
         b = p.whole.get("B") or p.shared.get("B")
         ea, eb = p.experts.get("A"), p.experts.get("B")
         ra = a[0].shape[0] if a else (ea[0].shape[1] if ea else None)
         rb = b[0].shape[1] if b else (eb[0].shape[2] if eb else None)
         if ra is not None and rb is not None and ra != rb:
-            an = (a or ea)[-1] if a or ea else "?"
-            bn = (b or eb)[-1] if b or eb else "?"
+            an, bn = (a or ea)[-1], (b or eb)[-1]  # type: ignore[index]
             raise AdapterError(f"{bn}: rank {rb} differs from its A factor {an} (rank {ra})")
 
     def _complete(self, p: _Pending) -> bool:
