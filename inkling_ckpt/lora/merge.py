@@ -33,7 +33,7 @@ from .io import Adapter, TensorFile, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"
-ROW_CHUNK = 8192  # rows of a big linear (the unembed) merged at a time
+ROW_CHUNK_ELEMS = 1 << 22  # a big linear (the unembed) is merged ~4M elements (16 MiB in float32) at a time
 COPY_CHUNK = 64 << 20
 
 
@@ -259,8 +259,9 @@ class _Merger:
         row_bytes = cols * torch.empty((), dtype=dtype).element_size()
         changed = False
         zero_a = not bool(A.any())
-        for r0 in range(0, out_rows, ROW_CHUNK):
-            r1 = min(out_rows, r0 + ROW_CHUNK)
+        step = max(1, ROW_CHUNK_ELEMS // max(1, cols))
+        for r0 in range(0, out_rows, step):
+            r1 = min(out_rows, r0 + step)
             b0, b1 = min(r0, B.shape[0]), min(r1, B.shape[0])
             # finite factors: B @ A is exactly zero when either factor is (no need to form it)
             live = b1 > b0 and not (self.passthrough_zero and (zero_a or not bool(B[b0:b1].any())))
