@@ -418,8 +418,14 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 for f in files:
                     st.finish(f)
                 res.files += len(files)
-            for p in sorted(b.root.iterdir()):
-                if p.is_file() and not p.name.startswith(".") and p.name not in b.files:
+            for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
+                if p.name.startswith(".") or p.name in b.files:
+                    continue
+                if p.is_dir():  # (shards in a subfolder were written above: not copied over)
+                    shards = set(b.files)
+                    shutil.copytree(p, st.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
+                        n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
+                elif p.is_file():
                     shutil.copyfile(p, st.path / p.name)
         res.bytes = total
 
