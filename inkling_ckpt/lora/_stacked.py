@@ -87,7 +87,7 @@ def decode_expert(fmt: StackedFormat, parts: Mapping[str, torch.Tensor], kept: M
     one = torch.ones((), dtype=torch.float32)
     v = get_format("nvfp4").decode({"weight": w, "weight_scale": parts["_scale"], "weight_scale_2": one},
                                    dtype=torch.float32)
-    return v * global_factor(kept, e)
+    return v.mul_(global_factor(kept, e))
 
 
 def encode_expert(fmt: StackedFormat, x: torch.Tensor, kept: Mapping[str, torch.Tensor], e: int,

@@ -5,7 +5,9 @@ rule says how the factors are shaped on each side. Everything name-related lives
 schema change (new target, renamed module) is a one-row edit.
 
 Trainer side (Megatron-Bridge): ``<adapter>.linear_in.weight`` is A, ``<adapter>.linear_out.weight``
-is B. Engine side (PEFT): ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``. Base side: the
+is B. The four separate q/k/v/r adapters of the fused ``linear_qkv`` follow Bridge's CanonicalLoRA
+naming (``linear_qkv.adapter.adapter_q`` …, plus ``adapter_r`` for Inkling's relative states);
+no public code pins Inkling 2's trainer names yet (reference/lora.md), so they live only here. Engine side (PEFT): ``<module>.lora_A.weight`` / ``<module>.lora_B.weight``. Base side: the
 release checkpoint tensor the merge adds ``(alpha/r) * B @ A`` to (spec/inkling2.md).
 """
 
