@@ -335,8 +335,15 @@ def _torch_dist(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
     it = folder / "release"
     it.mkdir(parents=True)
-    chunks = [ChunkItem(n, (0,) * t.dim(), tuple(t.shape), tuple(t.shape), t.dtype, u) for u, (n, t) in enumerate(tensors.items())]
-    write_dcp(it, chunks, [], lambda c: tensors[c.key])
+    chunks = []
+    for u, (n, t) in enumerate(tensors.items()):
+        if t.dim() == 3 and t.shape[0] > 1:  # per-expert factors stored as two EP ranks' chunks
+            h = t.shape[0] // 2
+            chunks += [ChunkItem(n, (0, 0, 0), (h, *t.shape[1:]), tuple(t.shape), t.dtype, u),
+                       ChunkItem(n, (h, 0, 0), (t.shape[0] - h, *t.shape[1:]), tuple(t.shape), t.dtype, u)]
+        else:
+            chunks.append(ChunkItem(n, (0,) * t.dim(), tuple(t.shape), tuple(t.shape), t.dtype, u))
+    write_dcp(it, chunks, [], lambda c: tensors[c.key][c.offsets[0]:c.offsets[0] + c.sizes[0]] if c.sizes else tensors[c.key])
     finish_iteration_dir(it, common_state())
     write_tracker(folder)
     return folder
@@ -671,3 +678,16 @@ def test_any_ep_split_in_any_order_gives_the_whole_export(E, F, H, r, data):
     assert all(torch.equal(got[n], want[n]) for n in want)
     p = "language_model.layers.0.mlp.experts."
     assert torch.equal(got[p + "w1.lora_B.weight"], b1[:, :F]) and torch.equal(got[p + "w3.lora_B.weight"], b1[:, F:])
+
+
+def test_per_expert_stacked_shared_factors_merge_like_shared_outer(work, dims, base_mixed):
+    """Engines also accept the shared factors stacked per expert ([E, r, H] / [E, H, r]); with equal
+    entries the merge is the same, byte for byte."""
+    eng = engine(dims, trainer_adapter(dims, seed=11))
+    shared = write_adapter_dir(work / "ad-so", eng)
+    stacked = {n: (t.expand(4, *t.shape[1:]).contiguous() if t.dim() == 3 and t.shape[0] == 1 else t) for n, t in eng.items()}
+    per = write_adapter_dir(work / "ad-pe", stacked)
+    assert inspect_adapter(per)["shared_outer_experts"] is False and inspect_adapter(shared)["shared_outer_experts"] is True
+    merge(base_mixed, shared, work / "m-so", progress=False)
+    merge(base_mixed, per, work / "m-pe", progress=False)
+    assert (work / "m-so" / "model.safetensors").read_bytes() == (work / "m-pe" / "model.safetensors").read_bytes()
