@@ -391,6 +391,8 @@ def test_cli_errors_are_one_line(work, dims, base_bf16, ad_random, cli):
     assert not (work / "bad-out").exists() and not list(work.glob(".bad-out*"))
     code, _, err = cli("lora", "export", dump, work / "bad-out", "--config", base_bf16)
     assert code == 2 and "give --alpha" in err
+    code, _, err = cli("lora", "export", dump, work / "bad-out", "--config", base_bf16, "--alpha", "-1")
+    assert code == 2 and "lora_alpha must be a positive number" in err
     code, _, err = cli("lora", "merge", base_bf16, ad_random, base_bf16 / "sub")
     assert code == 2 and "overlaps the input" in err
 

@@ -354,6 +354,8 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
             raise AdapterError(f"{src_p}: no lora_alpha in the dump's metadata; give --alpha")
         if alpha.is_integer():
             alpha = int(alpha)
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < float("inf")):
+        raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
     conv = LoraExport(alpha=alpha, dims=dims, cast=cast)
     groups = plan(conv, source.entries())
     if not groups:
