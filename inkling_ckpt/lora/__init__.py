@@ -11,6 +11,7 @@ Files: :func:`export_adapter` (torch_dist / safetensors dump -> PEFT folder), :f
 (release checkpoint + adapter -> release checkpoint), :func:`inspect_adapter`.
 """
 
+from .buckets import Bucket
 from .export import AdapterGroup, ExportResult, LoraExport, adapter_config, export_adapter, plan
 from .inspect import inspect_adapter, is_adapter_folder, render_adapter
 from .io import Adapter, TrainerSource, load_dims
@@ -20,7 +21,7 @@ from .merge import MergeResult, merge
 from .schema import SCHEMA, TARGETS, ModelDims, Schema, Target
 
 __all__ = [
-    "Adapter", "AdapterGroup", "ExportResult", "LoraExport", "MANIFEST_FILE", "ManifestReport", "MergeResult",
+    "Adapter", "AdapterGroup", "Bucket", "ExportResult", "LoraExport", "MANIFEST_FILE", "ManifestReport", "MergeResult",
     "ModelDims", "SCHEMA", "Schema", "TARGETS", "Target", "TrainerSource", "adapter_config", "build_manifest",
     "check_manifest", "export_adapter", "inspect_adapter", "is_adapter_folder", "load_dims", "merge", "plan", "read_manifest",
     "render_adapter", "verify_manifest", "write_manifest",

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import AdapterError, PlanError
-from ..sync.api import DEFAULT_BUCKET_BYTES, Bucket, LoadGroup
+from .buckets import DEFAULT_BUCKET_BYTES, AdapterGroup, Bucket, pack
 from .schema import SCHEMA, ExpertsDown, ExpertsGateUp, Excluded, Linear, ModelDims, Schema, Target
 
 #: The engine dtype (spec/lora.md: every adapter tensor BF16).
@@ -31,13 +31,6 @@ def adapter_config(rank: int, alpha: float, target_modules: Any = DEFAULT_TARGET
     """The engine's ``adapter_config.json`` (spec/lora.md; read by peft, SGLang, vLLM)."""
     return {"peft_type": "LORA", "r": int(rank), "lora_alpha": alpha, "target_modules": target_modules,
             "lora_dropout": 0.0, "bias": "none", "task_type": "CAUSAL_LM"}
-
-
-@dataclass
-class AdapterGroup(LoadGroup):
-    """A load group that also lists the trainer names it was built from."""
-
-    sources: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -132,14 +125,7 @@ class LoraExport:
 
     def buckets(self, named_tensors: Iterable[tuple], *, expert_offset: int = 0) -> Iterator[Bucket]:
         """Load groups packed in order into buckets of at most ``bucket_bytes`` (a larger group alone)."""
-        cur = Bucket()
-        for g in self.groups(named_tensors, expert_offset=expert_offset):
-            if cur.groups and cur.nbytes + g.nbytes > self.bucket_bytes:
-                yield cur
-                cur = Bucket()
-            cur.add(g)
-        if cur.groups:
-            yield cur
+        yield from pack(self.groups(named_tensors, expert_offset=expert_offset), self.bucket_bytes)
 
     # ---- internals ------------------------------------------------------------------------------
 
@@ -257,7 +243,7 @@ class LoraExport:
         return (f"{names[have]}: its other half ({self.schema.fill(p.target.trainer, p.layer)}.{suffix}) "
                 f"never arrived")
 
-    def _emit(self, p: _Pending) -> LoadGroup:
+    def _emit(self, p: _Pending) -> AdapterGroup:
         rule = p.target.rule
         names = self.schema.engine_names(p.target, p.layer)
         dims = self.dims.dims(p.layer) if self.dims is not None else None

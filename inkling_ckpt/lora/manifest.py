@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..errors import IntegrityError
-from ..sync.verify import _pairs
+from .buckets import pairs as _pairs
 
 MANIFEST_FILE = "adapter_sha256.json"
 
