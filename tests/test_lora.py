@@ -448,6 +448,8 @@ def test_merge_bf16_equals_hand_merged_transformers_model(work, dims, base_bf16,
     from transformers import Inkling2ForConditionalGeneration
 
     eng = engine(dims, trainer_adapter(dims, seed=5))
+    code, out, err = cli("lora", "merge", base_bf16, ad_random, work / "merged-cli", "--dry-run")
+    assert code == 0 and "49 base tensors merged" in out and not (work / "merged-cli").exists(), out + err
     code, out, err = cli("lora", "merge", base_bf16, ad_random, work / "merged-cli", "-q")
     assert code == 0, err
     model = Inkling2ForConditionalGeneration.from_pretrained(base_bf16, dtype=torch.bfloat16)

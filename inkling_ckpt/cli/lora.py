@@ -63,6 +63,7 @@ def merge_cmd(
     adapter: Path = typer.Argument(..., metavar="ADAPTER", help="Adapter folder (adapter_config.json + adapter_model.safetensors)."),
     out: Path = typer.Argument(..., metavar="OUT", help="Checkpoint folder to write (published atomically; rerun resumes)."),
     sqnr: bool = typer.Option(False, "--sqnr", help="Report each merged quantized expert tensor's SQNR vs its float merge."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate and list what would be merged (headers only); write nothing."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable summary."),
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
@@ -71,7 +72,23 @@ def merge_cmd(
 
     Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. One expert in memory at a time; a rerun resumes."""
     from ..lora import merge
+    from ..lora.merge import check_output_path, plan_merge
 
+    if dry_run:
+        check_output_path(out, base, adapter)
+        plan = plan_merge(base, adapter)
+        if as_json:
+            typer.echo(json.dumps(plan, indent=2))
+            return
+        by_fmt: dict[str, list[int]] = {}
+        for row in plan:
+            c = by_fmt.setdefault(row["format"], [0, 0])
+            c[0] += 1
+            c[1] += row["bytes"]
+        typer.echo(f"would write {out}: {len(plan)} base tensors merged ("
+                   + ", ".join(f"{k}: {n} tensors, {b / 2**20:.1f} MiB" for k, (n, b) in sorted(by_fmt.items()))
+                   + "); everything else copied byte for byte")
+        return
     res = merge(base, adapter, out, force=force, progress=not quiet, measure=sqnr)
     if as_json:
         typer.echo(json.dumps({"dst": str(res.dst), "skipped": res.skipped, "resumed": res.resumed, "files": res.files,

@@ -363,6 +363,24 @@ def check_output_path(dst: Path, *inputs: Path) -> None:
             raise OutputError(f"{dst}: overlaps the input {i}; choose another destination")
 
 
+def plan_merge(base: str | Path, adapter: str | Path) -> list[dict[str, Any]]:
+    """What a merge would do, from headers only: per adapted base tensor, its row, layer, format
+    and the tensors rewritten. Raises the same errors the merge would, before any writing."""
+    b = _Base(Path(base))
+    ad = Adapter.open(Path(adapter))
+    try:
+        units = plan_units(b, ad)
+    finally:
+        b.close()
+        ad.close()
+    return [{"base": u.base, "module": u.target.key, "layer": u.layer,
+             "format": u.fmt.name if u.fmt else DTYPE_NAMES.get(b.meta[u.base][1], str(b.meta[u.base][1])),
+             "rewrites": u.writes, "bytes": sum(b.span(n)[2] - b.span(n)[1] for n in u.writes)} for u in units]
+
+
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
 def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True,
           measure: bool = False, passthrough_zero: bool = True) -> MergeResult:
     """Write ``dst``: the base release checkpoint with the adapter merged (see the module docstring).
@@ -430,4 +448,4 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
         res.bytes = total
 
 
-__all__ = ["MergeResult", "merge", "plan_units", "check_output_path"]
+__all__ = ["MergeResult", "merge", "plan_merge", "plan_units", "check_output_path"]
