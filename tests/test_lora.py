@@ -353,6 +353,8 @@ def test_cli_export_from_safetensors_and_torch_dist_peft_reads_it(work, dims, ba
     tr = trainer_adapter(dims, seed=3)
     tdist = _torch_dist(work / "trainer-tdist", tr)
     out1, out2 = work / "exp-st", work / "exp-td"
+    code, out, err = cli("lora", "export", dump, out1, "--config", base_bf16, "--dry-run")
+    assert code == 0 and "would write" in out and "r=4, alpha=8" in out and not out1.exists(), out + err
     code, out, err = cli("lora", "export", dump, out1, "--config", base_bf16, "-q")
     assert code == 0, err
     assert "r=4, alpha=8" in out

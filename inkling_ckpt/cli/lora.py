@@ -36,6 +36,7 @@ def export_cmd(
     cast: bool = typer.Option(False, "--cast", help="Round float32/float16 factors to BF16 (else they are refused)."),
     target_modules: str = typer.Option("all-linear", "--target-modules",
                                        help="adapter_config target_modules: 'all-linear' or a comma list."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Validate from headers and say what would be written; write nothing."),
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -48,7 +49,11 @@ def export_cmd(
     if alpha is not None and alpha.is_integer():
         alpha = int(alpha)
     res = export_adapter(trainer_adapter, out, config=config, alpha=alpha, cast=cast, target_modules=tm, force=force,
-                         progress=not quiet)
+                         progress=not quiet, dry_run=dry_run)
+    if dry_run:
+        typer.echo(f"would write {out}: {res.tensors} tensors, {res.bytes / 2**20:.2f} MiB, r={res.rank}, alpha={res.alpha}"
+                   + (f"; would ignore {res.ignored} non-adapter tensors" if res.ignored else ""))
+        return
     if res.skipped:
         typer.echo(f"{out}: already holds this export; nothing to do (--force to redo)")
         return

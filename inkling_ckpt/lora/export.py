@@ -310,14 +310,14 @@ class ExportResult:
 
 def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool = False,
                    target_modules: Any = DEFAULT_TARGET_MODULES, force: bool = False,
-                   progress: bool = True) -> ExportResult:
+                   progress: bool = True, dry_run: bool = False) -> ExportResult:
     """Trainer adapter dump (torch_dist folder, ``.safetensors`` file or folder) -> engine adapter
     folder ``dst`` (``adapter_config.json``, ``adapter_model.safetensors``, sha256 manifest).
 
     ``config``: the base release checkpoint folder or its ``config.json`` (shapes are checked
     against it, the unembed B trimmed to the unpadded vocabulary). ``alpha``: ``lora_alpha``;
     default: the dump's metadata (``lora_alpha``). Plans from headers first: every structural
-    error is raised before anything is written.
+    error is raised before anything is written; ``dry_run`` stops there (``skipped`` set).
     """
     from pathlib import Path
 
@@ -349,6 +349,10 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
     planned = [(n, tuple(t.shape), t.dtype) for g in groups for n, t in g.tensors]
     res = ExportResult(dst_p, rank=conv.rank, alpha=alpha, ignored=len(conv.skipped), tensors=len(planned))
     res.bytes = sum(g.nbytes for g in groups)
+    if dry_run:  # everything above read headers only
+        source.close()
+        res.skipped = True
+        return res
     job = {"what": "lora-export", "source": str(src_p.resolve()), "source_files": _identity(src_p),
            "config": str(Path(config).resolve()), "config_files": _identity(Path(config)), "alpha": alpha,
            "cast": cast, "target_modules": target_modules}
