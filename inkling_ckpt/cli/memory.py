@@ -16,6 +16,7 @@ from ..model.inventory import inventory
 from ..model.precision import PrecisionPlan
 from ..model.presets import preset_plan
 from ..plan.memory import GPU_PRESETS, KV_DTYPES, memory_report, render_memory
+from ..layouts.limits import MAX_RANKS, check_count, check_config_bounds, config_from_dict
 from .app import app
 
 
@@ -50,7 +51,9 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str]):
     config_path = p / "config.json" if p.is_dir() else p
     if not config_path.is_file():
         raise ConfigError(f"{source}: neither a checkpoint folder nor a config.json")
-    cfg = InklingConfig.from_dict(read_json(config_path))
+    raw = read_json(config_path)
+    check_config_bounds(raw, config_path)
+    cfg = config_from_dict(raw, config_path)
     n = cfg.num_hidden_layers
     if plan_text is not None and variant is not None:
         raise PlanError("give --variant or --plan, not both")
@@ -80,6 +83,8 @@ def memory_cmd(
                                           "(default min(max_position_embeddings, 131072))."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
+    check_count(tp, "--tp", MAX_RANKS)
+    check_count(ep, "--ep", MAX_RANKS)
     cfg, plan, specs, where = _load(source, variant, plan_text)
     rep = memory_report(cfg, plan, specs, tp, ep, source=where, gpus=gpu,
                         gpu_bytes=parse_size(gpu_memory) if gpu_memory else None,

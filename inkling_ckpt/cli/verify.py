@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
@@ -10,6 +11,7 @@ from typing import Optional
 import typer
 
 from ..verify.compare import SCHEMA, build_report, compare, plot_report, render_report
+from ..errors import PlanError
 from .app import app
 
 _HELP = "\n\n".join([
@@ -36,6 +38,8 @@ def verify_cmd(
     top: int = typer.Option(15, "--top", help="Worst tensors to list in the table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
+    if min_sqnr is not None and not math.isfinite(min_sqnr):
+        raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
     rep = build_report(compare(a, b, progress=not quiet), min_sqnr=min_sqnr, exact=exact)
     if plot is not None:
         plot_report(rep, plot)

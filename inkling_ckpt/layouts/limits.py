@@ -26,6 +26,7 @@ DIM_CAP = 1 << 24  # any *_size / *_dim field: hidden, intermediate, vocab, head
 DIM_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "unpadded_vocab_size",
             "head_dim", "swa_head_dim", "out_hidden_size", "text_hidden_size", "projection_hidden_dim")
 MAX_JSON_DEPTH = 32
+MAX_RANKS = 1 << 16  # --tp / --ep
 # Layer count x expert count: the number of per-expert entries a plan may enumerate.
 MAX_EXPERT_SLOTS = 1 << 20
 
@@ -86,4 +87,4 @@ def check_count(value: int | None, option: str, cap: int, minimum: int = 1) -> N
         raise PlanError(f"{option} {value}: must be between {minimum} and {cap}")
 
 
-__all__ = ["check_config_bounds", "config_from_dict", "check_count", "COUNT_CAPS"]
+__all__ = ["check_config_bounds", "config_from_dict", "check_count", "COUNT_CAPS", "MAX_RANKS"]
