@@ -305,7 +305,8 @@ def overlapping_data_offsets(tmp, built):
     a, b = next((x, y) for i, x in enumerate(names) for y in names[i + 1:] if size[x] == size[y])
     header[b]["data_offsets"] = list(header[a]["data_offsets"])
     rewrite_st_header(shard, header)
-    return Bad(["shard", src, tmp / "out", "--tp", "1", "-q"], "overlap", shard.name, inputs=[src], dst=tmp / "out")
+    return Bad(["convert", "hf-to-hf", src, tmp / "out", "--plan", "bf16", "-q"], "overlap", shard.name,
+               inputs=[src], dst=tmp / "out")
 
 
 @case
