@@ -451,6 +451,12 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
                  "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"):
         if hasattr(md, name):
             table[("torch.distributed.checkpoint.metadata", name)] = getattr(md, name)
+    from torch.distributed.checkpoint import planner as pl
+
+    # Megatron-Core's saves keep their (inert dataclass/enum) save plans in .metadata.
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType"):
+        if hasattr(pl, name):
+            table[("torch.distributed.checkpoint.planner", name)] = getattr(pl, name)
     for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
               torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
               torch.complex64):
