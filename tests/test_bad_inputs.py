@@ -117,19 +117,33 @@ def case(fn: Callable[[Path, dict[str, Path]], Bad]) -> Callable[[Path, dict[str
     return fn
 
 
+class _Built(dict):
+    """Outputs of our own writers, each made once on first use: a torch_dist and a sharded folder."""
+
+    RECIPES = {
+        "megatron": lambda out: ["convert", "hf-to-megatron", BF16, out, "-q"],
+        "sharded": lambda out: ["shard", BF16, out, "--tp", "1", "-q"],
+    }
+
+    def __init__(self, base: Path):
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, kind: str) -> Path:
+        from inkling_ckpt.cli.app import main
+
+        out = self.base / kind
+        try:
+            main([str(a) for a in self.RECIPES[kind](out)])
+        except SystemExit as e:
+            assert not e.code, f"building the {kind} input failed"
+        self[kind] = out
+        return out
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
-    """Outputs of our own writers, made once: a torch_dist folder and a sharded folder."""
-    from inkling_ckpt.cli.app import main
-
-    base = tmp_path_factory.mktemp("built")
-    for args in (["convert", "hf-to-megatron", BF16, base / "megatron", "-q"],
-                 ["shard", BF16, base / "sharded", "--tp", "1", "-q"]):
-        try:
-            main([str(a) for a in args])
-        except SystemExit as e:
-            assert not e.code, f"building {args} failed"
-    return {"megatron": base / "megatron", "sharded": base / "sharded"}
+    return _Built(tmp_path_factory.mktemp("built"))
 
 
 def release(m: Path) -> Path:
