@@ -593,6 +593,24 @@ def config_layer_types_wrong_type(tmp, built):
 
 
 @case
+def config_number_as_string(tmp, built):
+    src = copy(BF16, tmp / "src")
+    cfg = config_of(src)
+    text_config(cfg)["hidden_size"] = str(text_config(cfg)["hidden_size"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    return Bad(["inspect", src], "hidden_size", "config.json", inputs=[src])
+
+
+@case
+def config_count_as_float(tmp, built):
+    src = copy(BF16, tmp / "src")
+    cfg = config_of(src)
+    text_config(cfg)["num_hidden_layers"] = float(text_config(cfg)["num_hidden_layers"])
+    (src / "config.json").write_text(json.dumps(cfg))
+    return Bad(["inspect", src], "num_hidden_layers", "config.json", inputs=[src])
+
+
+@case
 def config_nested_too_deeply(tmp, built):
     src = copy(BF16, tmp / "src")
     (src / "config.json").write_text("[" * 100_000 + "]" * 100_000)

@@ -72,6 +72,13 @@ def config_from_dict(config: Mapping[str, Any], where: str | Path) -> Any:
 
     try:
         return InklingConfig.from_dict(config)
+    except ConfigError as e:  # name the file the user has to fix
+        msg = str(e)
+        if str(where) in msg:
+            raise
+        if msg.startswith("config.json: "):
+            msg = msg[len("config.json: "):]
+        raise ConfigError(f"{where}: {msg}") from None
     except InklingError:
         raise
     except (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError) as e:

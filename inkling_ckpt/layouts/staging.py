@@ -218,7 +218,8 @@ def staging_path(dst: str | Path) -> Path:
 def _recover_publish(dst: Path) -> None:
     """Finish what a publish cut short: restore a previous output left aside as ``-old-`` when
     DST is missing, and delete such copies once DST is back."""
-    olds = sorted(dst.parent.glob(f".{dst.name}{OLD_INFIX}*"), key=lambda p: p.stat().st_mtime)
+    prefix = f".{dst.name}{OLD_INFIX}"  # not a glob: names may hold '[' or '*'
+    olds = sorted((p for p in dst.parent.iterdir() if p.name.startswith(prefix)), key=lambda p: p.stat().st_mtime)
     if not olds:
         return
     if not dst.exists():
