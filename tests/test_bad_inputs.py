@@ -242,6 +242,35 @@ def merge_header_copy_outside_folder(tmp, built):
                inputs=[s, outside], dst=tmp / "out")
 
 
+@case
+def metadata_data_file_is_a_link_out_of_the_folder(tmp, built):
+    m = copy(built["megatron"], tmp / "m")
+    md = load_metadata(m)
+    idx, info = next(iter(md.storage_data.items()))
+    outside = tmp / "elsewhere.distcp"
+    shutil.copyfile(release(m) / info.relative_path, outside)
+    (release(m) / "link.distcp").symlink_to(outside)
+    for k, v in md.storage_data.items():
+        if v.relative_path == info.relative_path:
+            v.relative_path = "link.distcp"
+    with open(release(m) / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return Bad(["convert", "megatron-to-hf", m, tmp / "out", "--reference", BF16, "-q"], "outside the checkpoint",
+               ".metadata", inputs=[m, outside], dst=tmp / "out")
+
+
+@case
+def metadata_with_wrong_field_types(tmp, built):
+    m = copy(built["megatron"], tmp / "m")
+    md = load_metadata(m)
+    key, v = _multi_chunk_key(md)
+    v.chunks = "not a list"
+    with open(release(m) / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return Bad(["convert", "megatron-to-hf", m, tmp / "out", "--reference", BF16, "-q"], "damaged", ".metadata",
+               inputs=[m], dst=tmp / "out")
+
+
 # ---- 3. --force must never delete an input ------------------------------------------------------------
 
 @case

@@ -506,7 +506,40 @@ def read_dcp_metadata(path: Path) -> Metadata:
         raise CheckpointError(f"{path}: cannot read DCP metadata ({first})") from None
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata")
+    _check_metadata_types(md, path)
     return md
+
+
+def _ints(x: Any, n: int | None = None) -> bool:
+    try:
+        vals = tuple(x)
+    except TypeError:
+        return False
+    return (n is None or len(vals) == n) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                 for v in vals)
+
+
+def _check_metadata_types(md: Metadata, path: Path) -> None:
+    """Every entry of an unpickled ``.metadata`` has the types the reader relies on (one-line errors)."""
+    for key, v in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}: a key is {type(key).__name__}, not a string")
+        if isinstance(v, TensorStorageMetadata):
+            ok = (_ints(v.size) and len(tuple(v.size)) <= 8 and isinstance(getattr(v, "properties", None), TensorProperties)
+                  and isinstance(v.properties.dtype, torch.dtype) and isinstance(v.chunks, list)
+                  and all(isinstance(c, ChunkStorageMetadata) and _ints(c.offsets, len(v.size)) and _ints(c.sizes, len(v.size))
+                          for c in v.chunks))
+            if not ok:
+                raise CheckpointError(f"{path}: entry of {key[:120]} is damaged (size, dtype or chunks)")
+        elif not isinstance(v, BytesStorageMetadata):
+            raise CheckpointError(f"{path}: entry of {key[:120]} is a {type(v).__name__}, not tensor or bytes metadata")
+    sd = getattr(md, "storage_data", None)
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{path}: storage_data is missing")
+    for idx, info in sd.items():
+        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo) \
+                or not isinstance(info.relative_path, str) or not _ints((info.offset, info.length)):
+            raise CheckpointError(f"{path}: a storage_data entry is damaged")
 
 
 _STACKED = re.compile(r"decoder\.layers\.(?![0-9]+\.)")
