@@ -17,14 +17,19 @@ unit's chunks into its own file, finished by an atomic rename and recorded in a 
 so an interrupted conversion resumes unit by unit. File names depend on the unit, not on the
 rank, and ``.metadata`` is written in a canonical order, so a one-process and an N-process
 conversion write the same bytes. Blobs are saved without zip CRC32s (``torch.load`` never
-checks them; computing them cost more than the writing).
+checks them; computing them cost more than the writing); instead each data file gets a sidecar
+``__U_0.distcp.sha256`` ("offset length sha256" per blob) that the reader checks on every read,
+so a flipped bit is an error, not a silently different weight. Saves from elsewhere (no sidecar)
+are read unchecked.
 
 ``_extra_state`` objects (``ShardedObject``\\ s in Megatron) are stored as the bytes of
 ``torch.save([torch.empty(0, dtype=torch.uint8)])`` — what Transformer Engine writes with no FP8
 state (reference §2.6); Megatron's default load strictness fails without them.
 
-The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list (torch's DCP
-dataclasses; legacy ``megatron.*`` classes become inert stand-ins) and ``common.pt`` with
+The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list of exact
+(module, name) pairs (torch's DCP dataclasses; legacy ``megatron.*`` classes become inert
+stand-ins; no dotted-name traversal), checks every entry's types, that data files resolve inside
+the folder and that each tensor's chunks tile it (inside, disjoint, covering) and ``common.pt`` with
 ``weights_only=True`` plus what Megatron-LM itself allows there (its argparse run arguments and
 enums, again as stand-ins); anything else is refused. It reads chunk blobs by offset, assembles
 any region from any chunking (Megatron's TP/EP saves split tensors), and can present stacked

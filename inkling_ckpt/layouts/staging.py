@@ -6,6 +6,13 @@ folder that exists is always complete. The staging folder records a fingerprint 
 (inputs, options, version); a rerun of the same job resumes there and skips files already
 finished, a different job starts afresh. The published folder keeps the fingerprint in
 ``.inkling-done.json`` so a rerun of a finished job is skipped unless forced.
+
+Safety: a destination equal to, containing or inside an input is refused (``--force`` or not);
+the staging folder is held under an exclusive ``flock`` for the whole job (a second run on the
+same destination refuses; a staging folder replaced under us is never published); every failure
+but an interruption removes the staging folder; a ``--force`` publish moves the old output aside
+and puts it back if the rename fails, and a run finding DST missing beside such an ``-old-``
+copy (a publish killed half-way) restores it.
 """
 
 from __future__ import annotations
