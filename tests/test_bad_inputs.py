@@ -213,9 +213,10 @@ def merge_source_name_leaves_dst(tmp, built):
     plain = next(k for k, v in man["source"].items() if "header" not in v)
     man["source"]["../../escaped.json"] = man["source"].pop(plain)
     _write_manifest(s, man)
+    shutil.copyfile(s / "source" / plain, tmp / "escaped.json")  # what source/../../escaped.json reads
     out = tmp / "a" / "b" / "out"
     return Bad(["shard", "--merge", s, out, "-q"], "leaves its folder", "inkling-shard.json",
-               inputs=[s], dst=out, marker=tmp / "a" / "escaped.json")
+               inputs=[s, tmp / "escaped.json"], dst=out, marker=tmp / "a" / "escaped.json")
 
 
 @case
@@ -679,6 +680,8 @@ def test_bad_input(name, tmp_path, built, cli, monkeypatch):
     finally:
         while _HELD:
             os.close(_HELD.pop())
+    if bad.marker is not None:  # first: code that ran (or a file written outside DST) is the worst outcome
+        assert not bad.marker.exists(), f"the payload ran: {bad.marker} exists"
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0, f"exit 0 on bad input; stderr: {err!r}"
     assert "Traceback" not in err, err
@@ -690,8 +693,6 @@ def test_bad_input(name, tmp_path, built, cli, monkeypatch):
     if bad.dst is not None:
         leftovers = [p.name for p in bad.dst.parent.glob(f".{bad.dst.name}.inkling-*") if p not in bad.inputs]
         assert not leftovers, f"left behind: {leftovers}"
-    if bad.marker is not None:
-        assert not bad.marker.exists(), f"the payload ran: {bad.marker} exists"
 
 
 # ---- the good side of the same classes ----------------------------------------------------------------------
