@@ -15,6 +15,8 @@ from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf,
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
+from ..layouts.limits import check_count
+from ..layouts.paths import check_dst
 from ..model.precision import PrecisionPlan
 from .app import app
 from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
@@ -31,6 +33,7 @@ convert_app = typer.Typer(
 )
 app.add_typer(convert_app)
 
+MAX_PAD_MULTIPLE = 1 << 16  # Megatron pads to 128 x TP; anything larger is a typo
 DRY_RUN_OPT = typer.Option(False, "--dry-run", help="Validate the input and print (JSON) what would be written; write nothing.")
 
 SCALES_HELP = (
@@ -109,6 +112,9 @@ def hf_to_megatron_cmd(
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
+    check_count(pad_vocab_to_multiple, "--pad-vocab-to-multiple", MAX_PAD_MULTIPLE)
+    if not dry_run:
+        check_dst(dst, [src])
     if dry_run:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
         info = describe_hf_to_megatron(HFCheckpoint.open(src), pad_vocab_to_multiple=pad_vocab_to_multiple, ranks=ranks)
@@ -146,6 +152,8 @@ def megatron_to_hf_cmd(
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
     _one_process("megatron-to-hf")
+    if not dry_run:
+        check_dst(dst, [src, reference])
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
@@ -176,6 +184,7 @@ def hf_to_hf_cmd(
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
     _one_process("hf-to-hf")
+    check_dst(dst, [src])
     _steady_memory()
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from ..model.inventory import inventory
 from ..model.precision import PrecisionPlan
 from ..model.presets import preset_plan
 from ..plan.memory import GPU_PRESETS, KV_DTYPES, bare_config_dtypes, memory_report, render_memory
+from ..layouts.limits import MAX_RANKS, check_count, check_config_bounds, config_from_dict
 from .app import app
 
 
@@ -63,7 +64,9 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], emb
     config_path = p / "config.json" if p.is_dir() else p
     if not config_path.is_file():
         raise ConfigError(f"{source} is neither a checkpoint folder nor a config.json")
-    cfg = InklingConfig.from_dict(read_json(config_path))
+    raw = read_json(config_path)
+    check_config_bounds(raw, config_path)
+    cfg = config_from_dict(raw, config_path)
     n = cfg.num_hidden_layers
     if plan_text is not None and variant is not None:
         raise PlanError("give --variant or --plan, not both")
@@ -99,6 +102,8 @@ def memory_cmd(
                                           "(default min(max_position_embeddings, 131072))."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
+    check_count(tp, "--tp", MAX_RANKS)
+    check_count(ep, "--ep", MAX_RANKS)
     cfg, plan, specs, where, note = _load(source, variant, plan_text, embed_dtype)
     rep = memory_report(cfg, plan, specs, tp, ep, source=where, dtypes_note=note, gpus=gpu,
                         gpu_bytes=parse_size(gpu_memory) if gpu_memory else None,

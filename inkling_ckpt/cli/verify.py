@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from .app import app
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
@@ -56,6 +57,8 @@ def verify_cmd(
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="--forward: fail (exit 1) if max KL(A||B) exceeds this."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
+    if min_sqnr is not None and not math.isfinite(min_sqnr):
+        raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
     if forward:
         _forward(a, b, as_json=as_json, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
                  dtype=dtype, max_kl=max_kl, quiet=quiet,
