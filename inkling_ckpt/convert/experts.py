@@ -1,9 +1,16 @@
-"""Re-encoding one routed expert into its layer's format, with a scale policy.
+"""Re-encoding stacked routed experts into a layer's release format, with a scale policy.
 
-Shared by every path that produces served experts: ``quantize``/``convert hf-to-hf``,
-``convert megatron-to-hf`` and the weight-sync library. gate/up form one fused group (one
-NVFP4 global scale); ``keep`` takes NVFP4 global and input scales from a reference checkpoint
-so unchanged weights reproduce the reference bytes exactly.
+Shared by every path that turns BF16 experts back into served ones (``convert megatron-to-hf``,
+``quantize``, weight sync). Works on any leading slice of a layer's experts ([E', R, C], w13
+rows already interleaved), so memory stays at a few experts.
+
+``keep`` takes each NVFP4 expert's global amax from a reference checkpoint and, for every block
+whose new values equal the reference's decoded block bit for bit, the reference's bytes. That
+last rule is what makes an unchanged weight come back byte-identical: decoding loses what the
+encoder cannot recover from values alone — an MXFP8 block whose largest element rounded down to
+224·2^s re-encodes one scale lower (same values, other bytes), and an NVFP4 element that rounded
+to −0 (nibble 0x8) decodes to −0.0, which the encoder writes as +0. ``fresh`` derives every scale
+from the new weights.
 """
 
 from __future__ import annotations
@@ -13,41 +20,56 @@ from typing import Literal, Mapping, Protocol
 import torch
 
 from ..errors import CheckpointError, PlanError
-from ..formats import get_format
-from ..model.inventory import EXPERT_PROJS, EXPERT_ROWS, FUSED_GROUP
+from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, encode_stacked, stacked_parts
 from ..model.precision import PrecisionPlan
 
 ScalePolicy = Literal["fresh", "keep"]
 SCALE_POLICIES = ("fresh", "keep")
-NVFP4_CARRIED = ("weight_scale_2", "input_scale")
 
 
 class ScaleSource(Protocol):
-    """Anything that can hand out stored tensors by HF name (an HFCheckpoint)."""
+    """A release checkpoint the kept scales come from (an HFCheckpoint)."""
 
     plan: PrecisionPlan
 
     def get(self, name: str) -> torch.Tensor: ...
 
 
-def expert_module(layer: int, expert: int, proj: str) -> str:
-    """The HF module name of one routed-expert linear (from the model table)."""
-    return EXPERT_ROWS[proj].pattern.format(layer=layer, expert=expert)
+def read_expert_rows(src: object, name: str, start: int, stop: int) -> torch.Tensor:
+    """Experts ``start:stop`` of a stacked part (dim 0), reading only their bytes where the source can."""
+    read_rows = getattr(src, "read_rows", None)
+    if read_rows is not None:
+        return read_rows(name, start, stop)
+    return src.get(name)[start:stop]  # type: ignore[attr-defined]
+
+
+def read_stacked(src: object, name: str, fmt: str, start: int, stop: int) -> dict[str, torch.Tensor]:
+    """The stored parts of experts ``start:stop`` of stacked weight ``name`` in format ``fmt``.
+
+    Per-expert parts are sliced; the NVFP4 scalar denominator is read whole (an [E] one is sliced).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for suffix in stacked_parts(fmt, (1, 32, 32)):  # the part names only
+        part = name + suffix
+        if suffix == DENOM:
+            d = src.get(part)  # type: ignore[attr-defined]
+            out[suffix] = d[start:stop] if d.dim() == 1 else d
+        else:
+            out[suffix] = read_expert_rows(src, part, start, stop)
+    return out
+
+
+def decode_rows(src: object, name: str, fmt: str, start: int, stop: int, *, allow_nonfinite: bool = False) -> torch.Tensor:
+    """Experts ``start:stop`` of a stored stacked weight, decoded to BF16 [E', R, C]."""
+    parts = read_stacked(src, name, fmt, start, stop)
+    return decode_stacked(fmt, parts, torch.bfloat16, name=name, allow_nonfinite=allow_nonfinite)
 
 
 class ExpertEncoder:
-    """Encodes routed experts for a precision plan.
+    """Encodes BF16 stacked experts for a precision plan (``scales`` ``keep`` needs ``reference``).
 
-    ``scales="keep"`` needs ``reference``: each NVFP4 linear reuses the reference's
-    ``weight_scale_2`` and ``input_scale`` (the reference layer must be NVFP4 too), and every
-    block whose new values equal the reference's decoded values bit for bit keeps the
-    reference's bytes. That last rule is what makes an unchanged weight come back byte-identical:
-    decoding loses two things the encoder cannot recover from values alone — MXFP8 blocks
-    whose largest element rounded down to 224·2^s re-encode one scale lower (same values,
-    other bytes), and NVFP4 elements that rounded to -0 (nibble 0x8) decode to -0.0, which the
-    ModelOpt convention encodes as +0 (0x0). With ``fresh`` the global scale comes from the new
-    weights (gate/up share the max) and ``input_scale`` from the reference when one is given,
-    else 1.0 (no calibration data).
+    With ``keep`` every NVFP4 layer of the plan must be NVFP4 in the reference (its per-expert
+    amax is kept); blocks are reused from the reference wherever its layer has the plan's format.
     """
 
     def __init__(self, plan: PrecisionPlan, *, scales: ScalePolicy = "fresh", reference: ScaleSource | None = None,
@@ -57,74 +79,31 @@ class ExpertEncoder:
         if scales == "keep":
             if reference is None:
                 raise PlanError("--scales keep needs a reference checkpoint to take the scales from")
+            if len(reference.plan) != len(plan):
+                raise PlanError(f"plan covers {len(plan)} layers, the reference has {len(reference.plan)}")
             for i in range(len(plan)):
                 if plan.format_of(i) == "nvfp4" and reference.plan.format_of(i) != "nvfp4":
-                    raise PlanError(
-                        f"--scales keep: layer {i} is nvfp4 in the plan but {reference.plan.format_of(i)} in the "
-                        f"reference, which has no NVFP4 scales to keep"
-                    )
+                    raise PlanError(f"--scales keep: layer {i} is nvfp4 in the plan but {reference.plan.format_of(i)} "
+                                    "in the reference, which has no NVFP4 amax to keep (use --scales fresh)")
         self.plan = plan
         self.scales = scales
         self.reference = reference
         self.allow_nonfinite = allow_nonfinite
-        self.used_default_input_scale = False
 
-    def encode(self, layer: int, expert: int, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``{proj: logical weight}`` (all three projections) → ``{hf_name: stored tensor}``."""
-        missing = [p for p in EXPERT_PROJS if p not in weights]
-        if missing:
-            raise CheckpointError(f"layer {layer} expert {expert}: missing {', '.join(missing)}")
-        fmt_name = self.plan.format_of(layer)
-        fmt = get_format(fmt_name)
-        modules = {p: expert_module(layer, expert, p) for p in EXPERT_PROJS}
-        out: dict[str, torch.Tensor] = {}
-        if fmt_name == "bf16":
-            for p in EXPERT_PROJS:
-                w = weights[p]
-                if w.dtype != torch.bfloat16:
-                    raise CheckpointError(f"{modules[p]}: expected a BF16 weight, got {w.dtype}")
-                out[f"{modules[p]}.weight"] = w
-            return out
-        if fmt_name == "nvfp4":
-            parts = self._encode_nvfp4(fmt, layer, modules, weights)
-        else:
-            parts = {p: fmt.encode(weights[p], name=modules[p], allow_nonfinite=self.allow_nonfinite) for p in EXPERT_PROJS}
-        if self.scales == "keep" and self.reference is not None and self.reference.plan.format_of(layer) == fmt_name:
-            for p in EXPERT_PROJS:
-                ref = {part: self.reference.get(f"{modules[p]}.{part}") for part in parts[p]}
-                parts[p] = reuse_unchanged_blocks(fmt, weights[p], parts[p], ref)
-        for p in EXPERT_PROJS:
-            for part, t in parts[p].items():
-                out[f"{modules[p]}.{part}"] = t
-        return out
-
-    def _encode_nvfp4(self, fmt, layer: int, modules: dict[str, str], weights: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
-        ref = self.reference
-        ref_has_scales = ref is not None and ref.plan.format_of(layer) == "nvfp4"
-        inputs: dict[str, torch.Tensor | None] = {
-            p: ref.get(f"{modules[p]}.input_scale") if ref_has_scales else None for p in EXPERT_PROJS  # type: ignore[union-attr]
-        }
-        self.used_default_input_scale |= not ref_has_scales
-        if self.scales == "keep":  # __init__ made sure the reference holds NVFP4 scales here
-            return {
-                p: fmt.encode(weights[p], name=modules[p], weight_scale_2=ref.get(  # type: ignore[union-attr]
-                                  f"{modules[p]}.weight_scale_2"),
-                              input_scale=inputs[p], allow_nonfinite=self.allow_nonfinite)
-                for p in EXPERT_PROJS
-            }
-        out: dict[str, dict[str, torch.Tensor]] = {}
-        group = fmt.encode_group([weights[p] for p in FUSED_GROUP], names=[modules[p] for p in FUSED_GROUP],
-                                 allow_nonfinite=self.allow_nonfinite)
-        for p, parts in zip(FUSED_GROUP, group):
-            out[p] = parts
-        for p in EXPERT_PROJS:
-            if p not in out:
-                out[p] = fmt.encode(weights[p], name=modules[p], allow_nonfinite=self.allow_nonfinite)
-        for p in EXPERT_PROJS:
-            if inputs[p] is not None:
-                out[p]["input_scale"] = inputs[p].to(torch.float32).reshape(())
-        return out
-
+    def encode(self, layer: int, name: str, w: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
+        """Experts ``start:start+len(w)`` of stacked weight ``name`` (BF16) → ``{part suffix: tensor}``."""
+        fmt = self.plan.format_of(layer)
+        if w.dtype != torch.bfloat16 or w.dim() != 3:
+            raise CheckpointError(f"{name}: expected BF16 stacked experts, got {w.dtype} {list(w.shape)}")
+        ref = None
+        if self.scales == "keep" and self.reference is not None and self.reference.plan.format_of(layer) == fmt \
+                and fmt != "bf16":
+            ref = read_stacked(self.reference, name, fmt, start, start + w.shape[0])
+        amax = ref[AMAX] if ref is not None and fmt == "nvfp4" else None
+        parts = encode_stacked(fmt, w, name=name, amax=amax, allow_nonfinite=self.allow_nonfinite)
+        if ref is not None:
+            parts = reuse_unchanged_blocks(fmt, w, parts, ref, name=name)
+        return parts
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -132,23 +111,35 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
 
 
-def reuse_unchanged_blocks(fmt, x: torch.Tensor, new: dict[str, torch.Tensor],
-                           ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor],
+                           *, name: str = "experts") -> dict[str, torch.Tensor]:
     """``new`` with every block whose values equal the reference's decoded block taken from ``ref``.
 
-    Blocks run along the last dimension, one ``weight_scale`` column each; the element bytes of
-    a block are the same share of a ``weight`` row. Global scales are taken as they are in
-    ``new`` (the caller passes the reference's when keeping them).
+    Blocks run along the last dimension, one ``_scale`` column each; their element bytes are the
+    same share of a weight row. NVFP4 blocks are only reused in experts whose global factor
+    (amax / denominator) is the reference's bit for bit: a block's bytes mean nothing under
+    another factor.
     """
-    decoded = fmt.decode(ref, x.dtype)
-    rows, nblocks = ref["weight_scale"].shape
-    same = (_bits(decoded).reshape(rows, nblocks, -1) == _bits(x).reshape(rows, nblocks, -1)).all(-1)
-    if not bool(same.any()):
-        return new
     out = dict(new)
-    w_new, w_ref = new["weight"], ref["weight"]
-    picked = torch.where(same[..., None], _bits(w_ref).reshape(rows, nblocks, -1), _bits(w_new).reshape(rows, nblocks, -1))
-    out["weight"] = picked.reshape(w_new.shape).view(w_new.dtype)
-    s_new, s_ref = new["weight_scale"], ref["weight_scale"]
-    out["weight_scale"] = torch.where(same, _bits(s_ref), _bits(s_new)).view(s_new.dtype)
+    if fmt == "bf16":
+        return out
+    decoded = decode_stacked(fmt, ref, x.dtype, name=name, allow_nonfinite=True)
+    e, rows, nblocks = ref[SCALE].shape
+    same = (_bits(decoded).reshape(e, rows, nblocks, -1) == _bits(x).reshape(e, rows, nblocks, -1)).all(-1)
+    if fmt == "nvfp4":
+        f_new = new[AMAX].float() / new[DENOM].float().reshape(-1).expand(e)
+        f_ref = ref[AMAX].float() / ref[DENOM].float().reshape(-1).expand(e)
+        same &= (_bits(f_new) == _bits(f_ref))[:, None, None]
+    if not bool(same.any()):
+        return out
+    w_new, w_ref = new[WEIGHT], ref[WEIGHT]
+    picked = torch.where(same[..., None], _bits(w_ref).reshape(e, rows, nblocks, -1),
+                         _bits(w_new).reshape(e, rows, nblocks, -1))
+    out[WEIGHT] = picked.reshape(w_new.shape).view(w_new.dtype)
+    s_new, s_ref = new[SCALE], ref[SCALE]
+    out[SCALE] = torch.where(same, _bits(s_ref), _bits(s_new)).view(s_new.dtype)
     return out
+
+
+__all__ = ["ExpertEncoder", "ScalePolicy", "SCALE_POLICIES", "ScaleSource", "reuse_unchanged_blocks",
+           "read_stacked", "read_expert_rows", "decode_rows"]
