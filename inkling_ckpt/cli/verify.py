@@ -15,7 +15,7 @@ from .app import app
 _HELP = "\n\n".join([
     'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
     ('A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model. Routed '
-     'experts are decoded per linear to float32; other tensors are compared as stored. Per tensor, per '
+     'experts are decoded per stacked tensor (a layer\'s w13 / w2) to float32; other tensors are compared as stored. Per tensor, per '
      'layer and per format: bit-exact elements, max abs error, relative RMSE sqrt(sum e^2 / sum a^2), SQNR '
      '10*log10(sum a^2 / sum e^2); worst tensors first.'),
     (f'--json prints the report in schema {SCHEMA} (documented in inkling_ckpt/verify/compare.py). --plot '

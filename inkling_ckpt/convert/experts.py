@@ -1,16 +1,10 @@
-"""Re-encoding stacked routed experts into a layer's release format, with a scale policy.
+"""Re-encoding a layer's stacked routed experts (or a slice of them) into its format, with a scale policy.
 
-Shared by every path that turns BF16 experts back into served ones (``convert megatron-to-hf``,
-``quantize``, weight sync). Works on any leading slice of a layer's experts ([E', R, C], w13
-rows already interleaved), so memory stays at a few experts.
-
-``keep`` takes each NVFP4 expert's global amax from a reference checkpoint and, for every block
-whose new values equal the reference's decoded block bit for bit, the reference's bytes. That
-last rule is what makes an unchanged weight come back byte-identical: decoding loses what the
-encoder cannot recover from values alone — an MXFP8 block whose largest element rounded down to
-224·2^s re-encodes one scale lower (same values, other bytes), and an NVFP4 element that rounded
-to −0 (nibble 0x8) decodes to −0.0, which the encoder writes as +0. ``fresh`` derives every scale
-from the new weights.
+Shared by every path that produces served experts: ``quantize``/``convert hf-to-hf``,
+``convert megatron-to-hf`` and the weight-sync library. A stacked ``w13`` carries gate and up
+interleaved, so one NVFP4 global factor per expert covers both by construction. ``keep``
+takes each NVFP4 expert's ``amax`` from a reference checkpoint and keeps the reference's bytes
+of every block whose values are unchanged, so an untouched weight comes back byte-identical.
 """
 
 from __future__ import annotations
@@ -19,8 +13,10 @@ from typing import Literal, Mapping, Protocol
 
 import torch
 
-from ..errors import CheckpointError, PlanError
-from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, encode_stacked, stacked_parts
+from ..errors import PlanError
+from ..formats import get_format
+from ..formats.stacked import AMAX, SCALE, WEIGHT, decode_stacked, encode_stacked
+from ..model.inventory import ExpertStack
 from ..model.precision import PrecisionPlan
 
 ScalePolicy = Literal["fresh", "keep"]
@@ -28,81 +24,72 @@ SCALE_POLICIES = ("fresh", "keep")
 
 
 class ScaleSource(Protocol):
-    """A release checkpoint the kept scales come from (an HFCheckpoint)."""
+    """A checkpoint that hands out expert slices of its stored tensors (an HFCheckpoint)."""
 
     plan: PrecisionPlan
 
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
     def get(self, name: str) -> torch.Tensor: ...
 
 
-def read_expert_rows(src: object, name: str, start: int, stop: int) -> torch.Tensor:
-    """Experts ``start:stop`` of a stacked part (dim 0), reading only their bytes where the source can."""
-    read_rows = getattr(src, "read_rows", None)
-    if read_rows is not None:
-        return read_rows(name, start, stop)
-    return src.get(name)[start:stop]  # type: ignore[attr-defined]
+def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
+    """The stored parts of experts ``first:last`` of one stacked weight (scalars read whole)."""
+    out = {}
+    for spec in stack.parts():
+        out[spec.part] = src.get(spec.name) if spec.shape == () else src.read_rows(spec.name, first, last)
+    return out  # type: ignore[return-value]
 
 
-def read_stacked(src: object, name: str, fmt: str, start: int, stop: int) -> dict[str, torch.Tensor]:
-    """The stored parts of experts ``start:stop`` of stacked weight ``name`` in format ``fmt``.
-
-    Per-expert parts are sliced; the NVFP4 scalar denominator is read whole (an [E] one is sliced).
-    """
-    out: dict[str, torch.Tensor] = {}
-    for suffix in stacked_parts(fmt, (1, 32, 32)):  # the part names only
-        part = name + suffix
-        if suffix == DENOM:
-            d = src.get(part)  # type: ignore[attr-defined]
-            out[suffix] = d[start:stop] if d.dim() == 1 else d
-        else:
-            out[suffix] = read_expert_rows(src, part, start, stop)
-    return out
-
-
-def decode_rows(src: object, name: str, fmt: str, start: int, stop: int, *, allow_nonfinite: bool = False) -> torch.Tensor:
-    """Experts ``start:stop`` of a stored stacked weight, decoded to BF16 [E', R, C]."""
-    parts = read_stacked(src, name, fmt, start, stop)
-    return decode_stacked(fmt, parts, torch.bfloat16, name=name, allow_nonfinite=allow_nonfinite)
+def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
+                 allow_nonfinite: bool = False) -> torch.Tensor:
+    """Experts ``first:last`` of a stored stacked weight as BF16 [n, rows, cols]."""
+    return decode_stacked(stack.fmt, read_parts(src, stack, first, last), torch.bfloat16, name=stack.name,
+                          allow_nonfinite=allow_nonfinite)
 
 
 class ExpertEncoder:
-    """Encodes BF16 stacked experts for a precision plan (``scales`` ``keep`` needs ``reference``).
+    """Encodes stacked routed experts for a precision plan.
 
-    With ``keep`` every NVFP4 layer of the plan must be NVFP4 in the reference (its per-expert
-    amax is kept); blocks are reused from the reference wherever its layer has the plan's format.
+    ``scales="keep"`` needs ``reference`` (its layer must be in the target format for NVFP4):
+    each NVFP4 expert reuses the reference's ``amax``, and every block whose new values equal the
+    reference's decoded values bit for bit keeps the reference's bytes. Decoding loses what
+    values alone cannot recover — MXFP8 blocks whose largest element rounded down re-encode one
+    scale lower (same values, other bytes), NVFP4 elements that rounded to -0 decode to -0.0 —
+    so without this rule an unchanged weight would not come back byte-identical.
     """
 
     def __init__(self, plan: PrecisionPlan, *, scales: ScalePolicy = "fresh", reference: ScaleSource | None = None,
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, mxfp8_options: Mapping[str, str] | None = None):
         if scales not in SCALE_POLICIES:
             raise PlanError(f"scale policy {scales!r}; choose one of {', '.join(SCALE_POLICIES)}")
         if scales == "keep":
             if reference is None:
                 raise PlanError("--scales keep needs a reference checkpoint to take the scales from")
-            if len(reference.plan) != len(plan):
-                raise PlanError(f"plan covers {len(plan)} layers, the reference has {len(reference.plan)}")
             for i in range(len(plan)):
                 if plan.format_of(i) == "nvfp4" and reference.plan.format_of(i) != "nvfp4":
                     raise PlanError(f"--scales keep: layer {i} is nvfp4 in the plan but {reference.plan.format_of(i)} "
-                                    "in the reference, which has no NVFP4 amax to keep (use --scales fresh)")
+                                    "in the reference, which has no NVFP4 scales to keep")
         self.plan = plan
         self.scales = scales
         self.reference = reference
         self.allow_nonfinite = allow_nonfinite
+        self._mx = get_format("mxfp8", **dict(mxfp8_options or {}))
 
-    def encode(self, layer: int, name: str, w: torch.Tensor, start: int = 0) -> dict[str, torch.Tensor]:
-        """Experts ``start:start+len(w)`` of stacked weight ``name`` (BF16) → ``{part suffix: tensor}``."""
-        fmt = self.plan.format_of(layer)
-        if w.dtype != torch.bfloat16 or w.dim() != 3:
-            raise CheckpointError(f"{name}: expected BF16 stacked experts, got {w.dtype} {list(w.shape)}")
-        ref = None
-        if self.scales == "keep" and self.reference is not None and self.reference.plan.format_of(layer) == fmt \
-                and fmt != "bf16":
-            ref = read_stacked(self.reference, name, fmt, start, start + w.shape[0])
-        amax = ref[AMAX] if ref is not None and fmt == "nvfp4" else None
-        parts = encode_stacked(fmt, w, name=name, amax=amax, allow_nonfinite=self.allow_nonfinite)
-        if ref is not None:
-            parts = reuse_unchanged_blocks(fmt, w, parts, ref, name=name)
+    def encode(self, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """BF16 experts ``first:first+n`` of ``stack`` ([n, rows, cols]) → its stored parts (suffix → tensor).
+
+        NVFP4's scalar ``_outer_scale_denominator`` is included (the same for every slice).
+        """
+        fmt = stack.fmt
+        last = first + x.shape[0]
+        ref = self.reference if (self.scales == "keep" and self.reference is not None
+                                 and self.reference.plan.format_of(stack.layer) == fmt) else None
+        ref_parts = read_parts(ref, stack, first, last) if ref is not None and fmt != "bf16" else None
+        amax = ref_parts[AMAX] if ref_parts is not None and fmt == "nvfp4" else None
+        codec = self._mx if fmt == "mxfp8" else fmt
+        parts = encode_stacked(codec, x, name=stack.name, amax=amax, allow_nonfinite=self.allow_nonfinite)
+        if ref_parts is not None:
+            parts = reuse_unchanged_blocks(fmt, x, parts, ref_parts)
         return parts
 
 
@@ -111,35 +98,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
 
 
-def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor],
-                           *, name: str = "experts") -> dict[str, torch.Tensor]:
+def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tensor],
+                           ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``new`` with every block whose values equal the reference's decoded block taken from ``ref``.
 
-    Blocks run along the last dimension, one ``_scale`` column each; their element bytes are the
-    same share of a weight row. NVFP4 blocks are only reused in experts whose global factor
-    (amax / denominator) is the reference's bit for bit: a block's bytes mean nothing under
-    another factor.
+    Blocks run along the last dimension, one ``_scale`` column each; a block's element bytes
+    are the same share of a weight row. Per-expert factors are taken as they are in ``new`` (the
+    caller passes the reference's when keeping them).
     """
-    out = dict(new)
-    if fmt == "bf16":
-        return out
-    decoded = decode_stacked(fmt, ref, x.dtype, name=name, allow_nonfinite=True)
-    e, rows, nblocks = ref[SCALE].shape
-    same = (_bits(decoded).reshape(e, rows, nblocks, -1) == _bits(x).reshape(e, rows, nblocks, -1)).all(-1)
-    if fmt == "nvfp4":
-        f_new = new[AMAX].float() / new[DENOM].float().reshape(-1).expand(e)
-        f_ref = ref[AMAX].float() / ref[DENOM].float().reshape(-1).expand(e)
-        same &= (_bits(f_new) == _bits(f_ref))[:, None, None]
+    decoded = decode_stacked(fmt, ref, x.dtype, allow_nonfinite=True)
+    n, rows, nblocks = ref[SCALE].shape
+    shape = (n, rows, nblocks, -1)
+    same = (_bits(decoded).reshape(shape) == _bits(x).reshape(shape)).all(-1)
     if not bool(same.any()):
-        return out
+        return new
+    out = dict(new)
     w_new, w_ref = new[WEIGHT], ref[WEIGHT]
-    picked = torch.where(same[..., None], _bits(w_ref).reshape(e, rows, nblocks, -1),
-                         _bits(w_new).reshape(e, rows, nblocks, -1))
+    picked = torch.where(same[..., None], _bits(w_ref).reshape(shape), _bits(w_new).reshape(shape))
     out[WEIGHT] = picked.reshape(w_new.shape).view(w_new.dtype)
-    s_new, s_ref = new[SCALE], ref[SCALE]
-    out[SCALE] = torch.where(same, _bits(s_ref), _bits(s_new)).view(s_new.dtype)
+    out[SCALE] = torch.where(same, _bits(ref[SCALE]), _bits(new[SCALE])).view(new[SCALE].dtype)
     return out
 
 
-__all__ = ["ExpertEncoder", "ScalePolicy", "SCALE_POLICIES", "ScaleSource", "reuse_unchanged_blocks",
-           "read_stacked", "read_expert_rows", "decode_rows"]
+__all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "read_parts",
+           "reuse_unchanged_blocks"]

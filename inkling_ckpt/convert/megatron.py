@@ -43,14 +43,10 @@ from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PRE
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
 from ..progress import ByteProgress
-from .experts import ExpertEncoder, ScalePolicy, decode_rows
-from .output import Result, TensorSource, write_hf_checkpoint
+from .experts import ExpertEncoder, ScalePolicy, decode_slice
+from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint
 
 log = logging.getLogger(__name__)
-
-#: Bytes of BF16 experts megatron-to-hf reads and encodes at once (at least one expert).
-EXPERT_GROUP_BYTES = 64 << 20
-
 
 # ---- distributed helpers ------------------------------------------------------------------------
 
@@ -146,11 +142,13 @@ def _validated_plan(src: TensorSource, preset: str | Preset):
 
 def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bool = False) -> Callable[[ChunkItem], torch.Tensor]:
     """Builds one stored chunk from the source: a tensor as stored, or experts decoded to BF16."""
+    stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+
     def produce(item: ChunkItem) -> torch.Tensor:
         e = m.entry(item.key)
         if e.stacked:
             a = item.offsets[0]
-            w = decode_rows(src, e.hf, src.plan.format_of(e.layer), a, a + item.sizes[0], allow_nonfinite=allow_nonfinite)
+            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite)
             return m.to_megatron(e.key, w)
         return m.to_megatron(e.key, src.get(e.hf))
     return produce
@@ -330,28 +328,25 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
             t = m.to_hf(e.key, reader.read(e.key))
             writer.write(e.hf, t.contiguous())
             advance(t.nbytes)
-    jobs: list[tuple[Any, int, int]] = []  # (entry, first expert, stop)
+    stacks = {st.name: st for st in expert_stacks(m.cfg, encoder.plan)}
+    jobs: list[tuple[Any, Any, int, int]] = []  # (entry, output stack, first expert, last)
     for e in m.entries():
         if not e.stacked:
             continue
-        names = [s.name for st in expert_stacks(m.cfg, encoder.plan, e.layer) if st.name == e.hf for s in st.parts()]
-        if not any(writer.needed(n) for n in names):
-            continue
-        n, rows, cols = e.shape
-        group = max(1, min(n, EXPERT_GROUP_BYTES // (rows * cols * 2)))
-        jobs += [(e, a, min(n, a + group)) for a in range(0, n, group)]
+        stack = stacks[e.hf]
+        if any(writer.needed(p.name) for p in stack.parts()):
+            jobs += [(e, stack, a, b) for a, b in expert_slices(stack)]
 
-    def load(job: tuple[Any, int, int]) -> torch.Tensor:
-        e, a, b = job
+    def load(job: tuple[Any, Any, int, int]) -> torch.Tensor:
+        e, _, a, b = job
         return reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))
 
-    for (e, a, b), mg in _read_ahead(jobs, load):
-        parts = encoder.encode(e.layer, e.hf, m.to_hf(e.key, mg), a)
-        for suffix, t in parts.items():
+    for (e, stack, a, _), mg in _read_ahead(jobs, load):
+        for suffix, t in encoder.encode(stack, a, m.to_hf(e.key, mg)).items():
             name = e.hf + suffix
             if not writer.needed(name):
                 continue
-            if t.dim() == 0:  # the NVFP4 scalar denominator: once per layer
+            if t.dim() == 0:  # the NVFP4 scalar denominator: every slice carries it, write it once
                 if a == 0:
                     writer.write(name, t)
                     advance(t.nbytes)

@@ -1,29 +1,33 @@
 """HF → HF under a new precision plan: ``quantize``, ``dequantize`` and ``convert hf-to-hf``.
 
-Streams one tensor (one expert) at a time from any tensor source (an :class:`HFCheckpoint` or a
-synthetic checkpoint) into an atomically published folder. Non-expert tensors are copied
-bit for bit; an expert whose layer keeps its format is copied part for part; otherwise it is
-decoded to BF16 (when stored quantized) and encoded in the target format.
+Streams from any tensor source (an :class:`HFCheckpoint` or a synthetic checkpoint) into an
+atomically published folder. Non-expert tensors are copied bit for bit (in the source's own
+dtypes); a layer's stacked experts go a few experts at a time — copied part for part when the
+layer keeps its format, else decoded to BF16 and encoded in the target format — so memory is
+bounded by an expert slice, never a layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from ..errors import CheckpointError
-from ..formats import get_format
-from ..layouts.hf import QUANT_CONFIG, HFWriter, write_extra_files, write_json
+from ..layouts.hf import HFWriter, write_extra_files, write_json
 from ..layouts.staging import Staging
 from ..model.config import InklingConfig
-from ..model.inventory import EXPERT_PROJS, ExpertLinear, TensorSpec, expert_linears, inventory
+from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan
-from ..model.quant_config import build_quant_configs
+from ..model.quant_config import output_config
 from ..progress import ByteProgress
-from .experts import ExpertEncoder, ScalePolicy, ScaleSource
+from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
+
+#: Bytes of BF16 expert weights handled at once (bounds memory: the slice, its float32
+#: temporaries in the codecs are chunked separately).
+SLICE_BYTES = 256 * 2**20
 
 
 class TensorSource(Protocol):
@@ -34,6 +38,9 @@ class TensorSource(Protocol):
     plan: PrecisionPlan
 
     def get(self, name: str) -> torch.Tensor: ...
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+    def dtypes(self) -> dict[str, torch.dtype]: ...
+    def vision_specs(self) -> list[TensorSpec]: ...
     def extra_files(self) -> dict[str, bytes]: ...
     def describe(self) -> dict[str, Any]: ...
 
@@ -50,21 +57,11 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def output_config(source_config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(config.json, hf_quant_config.json or None) of a checkpoint stored under ``plan``."""
-    hf_quant, flat = build_quant_configs(cfg, plan)
-    config = {k: v for k, v in source_config.items() if k != "quantization_config"}
-    if flat is not None:
-        config["quantization_config"] = flat
-    return config, hf_quant
-
-
-def decode_linear(src: TensorSource, lin: ExpertLinear) -> torch.Tensor:
-    """A stored routed-expert linear decoded to its logical BF16 weight."""
-    parts = {spec.part: src.get(spec.name) for spec in lin.parts()}
-    if lin.fmt == "bf16":
-        return parts["weight"]
-    return get_format(lin.fmt).decode(parts, torch.bfloat16)
+def expert_slices(stack: ExpertStack, slice_bytes: int = SLICE_BYTES) -> list[tuple[int, int]]:
+    """(first, last) expert ranges of a stacked weight, each about ``slice_bytes`` of BF16."""
+    e, r, c = stack.shape
+    step = max(1, slice_bytes // max(1, r * c * 2))
+    return [(a, min(e, a + step)) for a in range(0, e, step)]
 
 
 def requantize(
@@ -87,16 +84,20 @@ def requantize(
     if scales == "keep" and reference is None and src.plan.used_formats() != ["bf16"]:
         reference = src  # a quantized source carries its own scales
     encoder = ExpertEncoder(plan, scales=scales, reference=reference, allow_nonfinite=allow_nonfinite)
-    specs = inventory(cfg, plan)
-    config, hf_quant = output_config(src.config, cfg, plan)
+    specs = inventory(cfg, plan, dtypes=src.dtypes(), vision=src.vision_specs())
+    config = output_config(src.config, cfg, plan)
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
-           "reference": reference.describe() if reference is not None and reference is not src else None,
+           "reference": reference.describe() if reference is not None and reference is not src else None,  # type: ignore[attr-defined]
            "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
-    return write_hf_checkpoint(
-        dst, job, specs, config, hf_quant, src.extra_files(),
+    result = write_hf_checkpoint(
+        dst, job, specs, config, src.extra_files(),
         lambda writer, advance: _stream(src, writer, specs, plan, encoder, advance),
-        encoder=encoder, plan=plan, max_shard_size=max_shard_size, force=force, progress=progress, desc=command,
+        max_shard_size=max_shard_size, force=force, progress=progress, desc=command,
     )
+    if "nvfp4" in plan.used_formats() and not result.skipped:
+        result.notes.append("NVFP4 experts carry no activation scales (none is pinned by the release format): "
+                            "the serving engine calibrates them")
+    return result
 
 
 def write_hf_checkpoint(
@@ -104,12 +105,9 @@ def write_hf_checkpoint(
     job: dict[str, Any],
     specs: list[TensorSpec],
     config: dict[str, Any],
-    hf_quant: dict[str, Any] | None,
-    extra_files: dict[str, bytes],
+    extra_files: Mapping[str, bytes],
     produce: Callable[[HFWriter, Callable[[int], None]], None],
     *,
-    encoder: ExpertEncoder,
-    plan: PrecisionPlan,
     max_shard_size: int | str,
     force: bool,
     progress: bool,
@@ -137,41 +135,48 @@ def write_hf_checkpoint(
                 writer.abort()
             writer.close()
         write_json(st.path / "config.json", config)
-        if hf_quant is not None:
-            write_json(st.path / QUANT_CONFIG, hf_quant)
-        write_extra_files(extra_files, st.path)
+        write_extra_files(dict(extra_files), st.path)
         result.tensors = len(specs)
         result.bytes = total
-    if encoder.used_default_input_scale and "nvfp4" in plan.used_formats():
-        result.notes.append("NVFP4 input_scale set to 1.0 (no calibration data): calibrate before serving W4A4")
     return result
 
 
 def _stream(src: TensorSource, writer: HFWriter, specs: list[TensorSpec], plan: PrecisionPlan,
             encoder: ExpertEncoder, advance: Callable[[int], None]) -> None:
-    sizes = {s.name: s.nbytes for s in specs}
     for spec in specs:
         if spec.part is None and writer.needed(spec.name):
             writer.write(spec.name, src.get(spec.name))
             advance(spec.nbytes)
-    n = len(EXPERT_PROJS)
     for layer in range(src.cfg.num_hidden_layers):
-        dst_lins = list(expert_linears(src.cfg, plan, layer))
-        src_lins = list(expert_linears(src.cfg, src.plan, layer))
-        for k in range(0, len(dst_lins), n):  # one expert: its gate, up and down linears
-            outs, ins = dst_lins[k:k + n], src_lins[k:k + n]
-            names = [spec.name for lin in outs for spec in lin.parts()]
-            if not any(writer.needed(name) for name in names):
-                continue
-            if outs[0].fmt == ins[0].fmt:
-                tensors = {name: src.get(name) for name in names}
+        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer)):
+            write_stack(writer, out_stack, advance, lambda a, b, o=out_stack, i=in_stack: _slice(src, encoder, o, i, a, b))
+
+
+def _slice(src: TensorSource, encoder: ExpertEncoder, out: ExpertStack, inp: ExpertStack, first: int,
+           last: int) -> dict[str, torch.Tensor]:
+    if out.fmt == inp.fmt:
+        return read_parts(src, inp, first, last)  # same format: the stored bytes as they are
+    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite)
+    return encoder.encode(out, first, x)
+
+
+def write_stack(writer: HFWriter, stack: ExpertStack, advance: Callable[[int], None],
+                produce: Callable[[int, int], Mapping[str, torch.Tensor]]) -> None:
+    """Write one stacked expert weight's parts slice by slice; ``produce(first, last)`` gives a slice's parts."""
+    parts = stack.parts()
+    if not any(writer.needed(p.name) for p in parts):
+        return
+    for first, last in expert_slices(stack):
+        got = produce(first, last)
+        for p in parts:
+            t = got[p.part]  # type: ignore[index]
+            if p.shape == ():
+                if first == 0:
+                    writer.write(p.name, t)
+                    advance(p.nbytes)
             else:
-                weights = {lin.proj: decode_linear(src, lin) for lin in ins}
-                tensors = encoder.encode(layer, outs[0].expert, weights)
-            for name in names:
-                if writer.needed(name):
-                    writer.write(name, tensors[name])
-                    advance(sizes[name])
+                writer.write_rows(p.name, first, t)
+                advance(p.nbytes * (last - first) // p.shape[0])
 
 
-__all__ = ["requantize", "write_hf_checkpoint", "Result", "TensorSource", "output_config", "decode_linear"]
+__all__ = ["requantize", "write_hf_checkpoint", "write_stack", "expert_slices", "Result", "TensorSource"]

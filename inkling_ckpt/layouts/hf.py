@@ -340,7 +340,7 @@ class HFWriter:
         self.is_sharded = split.is_sharded
         self.weight_map = dict(split.tensor_to_filename)
         self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
-        self._rows_done: dict[str, set[tuple[int, int]]] = {}
+        self._rows: dict[str, int] = {}  # rows written so far of tensors written in slices
         for f, shard in self.shards.items():
             if staging.is_finished(f):
                 shard.remaining.clear()
@@ -352,38 +352,38 @@ class HFWriter:
         return [n for n in self.specs if self.needed(n)]
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write a whole planned tensor (its shape and dtype exactly as planned)."""
-        spec = self.specs.get(name)
-        if spec is not None and spec.shape and name in self._rows_done:
-            raise CheckpointError(f"writer: {name} was already written in part; write the rest with write_rows")
-        self._write_at(name, tensor, 0, spec.shape if spec is not None else ())
+        """Write a whole planned tensor."""
+        spec = self._spec(name)
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise CheckpointError(
+                f"writer: {name} is {tensor.dtype} {list(tensor.shape)}, planned {spec.dtype} {list(spec.shape)}"
+            )
+        self._put(name, 0, tensor, spec.shape[0] if spec.shape else 1)
 
     def write_rows(self, name: str, start: int, tensor: torch.Tensor) -> None:
-        """Write rows ``start:start+len(tensor)`` (dim 0) of a planned tensor; it is finished once every row is.
+        """Write rows ``start:start+len(tensor)`` (along dim 0) of a planned tensor.
 
-        Lets a stacked expert tensor be produced a few experts at a time. Each row must be written once.
+        Stacked experts arrive a few experts at a time, so memory stays bounded by a slice, not
+        a layer. The tensor counts as written once every row has been.
         """
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"writer: {name} is not part of the planned output")
-        if not spec.shape or tensor.dim() != len(spec.shape) or start < 0 or start + tensor.shape[0] > spec.shape[0]:
-            raise CheckpointError(f"writer: rows {start}+{list(tensor.shape)} do not fit {name} {list(spec.shape)}")
-        rows = (start, start + tensor.shape[0])
-        done = self._rows_done.setdefault(name, set())
-        if any(a < rows[1] and rows[0] < b for a, b in done):
-            raise CheckpointError(f"writer: rows {rows[0]}:{rows[1]} of {name} overlap rows already written")
-        done.add(rows)
-        finished = sum(b - a for a, b in done) >= spec.shape[0]
-        self._write_at(name, tensor, start, (tensor.shape[0], *spec.shape[1:]), finished=finished)
-
-    def _write_at(self, name: str, tensor: torch.Tensor, start: int, shape: tuple[int, ...], finished: bool = True) -> None:
-        spec = self.specs.get(name)
-        if spec is None:
-            raise CheckpointError(f"writer: {name} is not part of the planned output")
-        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != spec.dtype:
+        spec = self._spec(name)
+        n = tensor.shape[0] if tensor.dim() else 0
+        if (not spec.shape or tensor.dtype != spec.dtype or tuple(tensor.shape[1:]) != spec.shape[1:]
+                or start < 0 or start + n > spec.shape[0]):
             raise CheckpointError(
-                f"writer: {name} is {tensor.dtype} {list(tensor.shape)}, planned {spec.dtype} {list(shape)}"
+                f"writer: rows {start}:{start + n} of {name} as {tensor.dtype} {list(tensor.shape)} do not fit the "
+                f"planned {spec.dtype} {list(spec.shape)}"
             )
+        self._put(name, start, tensor, n)
+
+    def _spec(self, name: str) -> TensorSpec:
+        spec = self.specs.get(name)
+        if spec is None:
+            raise CheckpointError(f"writer: {name} is not part of the planned output")
+        return spec
+
+    def _put(self, name: str, start: int, tensor: torch.Tensor, rows: int) -> None:
+        spec = self.specs[name]
         shard = self.shards[self.weight_map[name]]
         if name not in shard.remaining:
             return
@@ -393,12 +393,16 @@ class HFWriter:
             shard.fh.write(shard.header)
             shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
         a, _ = shard.offsets[name]
-        row = nbytes(spec.shape[1:], spec.dtype) if spec.shape else 0
-        shard.fh.seek(len(shard.header) + a + start * row)
+        row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
+        shard.fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
         shard.fh.write(memoryview(data))
-        if not finished:
+        total = spec.shape[0] if spec.shape else 1
+        done = self._rows.get(name, 0) + rows
+        if done < total:
+            self._rows[name] = done
             return
+        self._rows.pop(name, None)
         shard.remaining.discard(name)
         if not shard.remaining:
             shard.fh.close()

@@ -2,8 +2,9 @@
 
 ``A`` is the reference, ``B`` the candidate; either may be an HF checkpoint (BF16, mixed,
 MXFP8, NVFP4) or a sharded folder (``inkling-ckpt shard``). Routed experts are compared per
-linear (``…experts.{e}.{proj}``), each side decoded from its stored format to float32; every
-other tensor is compared as stored (BF16/F32, widened to float32).
+stacked tensor (a layer's ``…mlp.experts.w13_weight`` / ``w2_weight``), each side decoded from
+its stored format to float32 a few experts at a time; every other tensor is compared as stored
+(BF16/F32, widened to float32).
 
 Per compared tensor, with ``a``, ``b`` the float32 values and ``e = b − a``:
 
@@ -42,9 +43,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ..errors import CheckpointError
-from ..formats import get_format
-from ..layouts.sharded import open_any
-from ..model.inventory import expert_linears, inventory
+from ..convert.experts import read_parts
+from ..convert.requantize import expert_slices
+from ..formats.stacked import decode_stacked
+from ..layouts.hf import HFCheckpoint
+from ..model.inventory import ExpertStack, expert_stacks
 from ..progress import ByteProgress
 
 SCHEMA = "inkling-ckpt/verify-report/v1"
@@ -162,58 +165,61 @@ def _label(fa: str, fb: str) -> str:
     return f"{fa}->{fb}"
 
 
-def _decode(src: Any, parts: dict[str, str], fmt: str) -> torch.Tensor:
-    """A stored expert linear decoded to float32 (BF16 is widened as stored)."""
-    return _decode_parts({part: src.get(name) for part, name in parts.items()}, fmt)
-
-
-def _load_linear(a: Any, b: Any, fa: str, fb: str, pa: dict[str, str], pb: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Both sides of an expert linear decoded; B is None when its stored parts equal A's byte for byte."""
-    if fa == fb:
-        ta = {part: a.get(name) for part, name in pa.items()}
-        tb = {part: b.get(pb[part]) for part in pa}
-        if all(_same_bytes(ta[k], tb[k]) for k in ta):
-            return _decode_parts(ta, fa), None
-        return _decode_parts(ta, fa), _decode_parts(tb, fb)
-    return _decode(a, pa, fa), _decode(b, pb, fb)
-
-
 def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
     return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
         x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-
-
-def _decode_parts(tensors: dict[str, torch.Tensor], fmt: str) -> torch.Tensor:
-    if fmt == "bf16":
-        return tensors["weight"].to(torch.float32)
-    return get_format(fmt).decode(tensors, torch.float32)
 
 
 def _describe(src: Any, path: str | Path) -> dict[str, Any]:
     return {"path": str(path), "variant": src.plan.variant, "plan": str(src.plan)}
 
 
-Loader = Callable[[], tuple[torch.Tensor, "torch.Tensor | None"]]
+#: A pair's loader yields (A, B) chunks as float32; B is None where the stored bytes are identical.
+Loader = Callable[[], Iterator[tuple[torch.Tensor, "torch.Tensor | None"]]]
+#: BF16 bytes of experts decoded at once per side (float32 doubles it).
+SLICE_BYTES = 64 * 2**20
+
+
+def _dense(a: Any, b: Any, name: str) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    ta, tb = a.get(name), b.get(name)
+    if _same_bytes(ta, tb):
+        yield ta.float(), None
+    else:
+        yield ta.float(), tb.float()
+
+
+def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    for first, last in expert_slices(sa, SLICE_BYTES):
+        pa, pb = read_parts(a, sa, first, last), read_parts(b, sb, first, last)
+        da = decode_stacked(sa.fmt, pa, torch.float32, name=sa.name, allow_nonfinite=True)
+        if sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa):
+            yield da, None
+        else:
+            yield da, decode_stacked(sb.fmt, pb, torch.float32, name=sb.name, allow_nonfinite=True)
 
 
 def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Loader]]:
-    """(name, format label, layer, bytes of A, loader) for every logical tensor, in checkpoint order."""
+    """(name, format label, layer, bytes of A, loader) for every logical tensor, in checkpoint order.
+
+    Routed experts are compared per stacked tensor (a layer's w13 or w2), decoded a few experts
+    at a time; everything else as stored, widened to float32.
+    """
     cfg = a.cfg
-    for spec in inventory(cfg, a.plan):
+    names_b = set(b.tensors)
+    for spec in a.expected():
         if spec.part is None:
-            yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: (a.get(n), b.get(n)))
+            if spec.name not in names_b:
+                raise CheckpointError(f"{spec.name} is in A but not in B")
+            yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: _dense(a, b, n))
     for layer in range(cfg.num_hidden_layers):
-        for la, lb in zip(expert_linears(cfg, a.plan, layer), expert_linears(cfg, b.plan, layer)):
-            pa = {s.part: s.name for s in la.parts()}
-            pb = {s.part: s.name for s in lb.parts()}
-            nbytes = sum(s.nbytes for s in la.parts())
-            yield (la.module, _label(la.fmt, lb.fmt), layer, nbytes,
-                   lambda la=la, lb=lb, pa=pa, pb=pb: _load_linear(a, b, la.fmt, lb.fmt, pa, pb))
+        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer)):
+            nbytes = sum(p.nbytes for p in sa.parts())
+            yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, lambda sa=sa, sb=sb: _experts(a, b, sa, sb))
 
 
 def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True) -> Comparison:
     """Decode and compare every tensor of two checkpoints of the same model."""
-    a, b = open_any(path_a), open_any(path_b)
+    a, b = open_checkpoint(path_a), open_checkpoint(path_b)
     if a.cfg != b.cfg:
         diff = [k for k in a.cfg.__dataclass_fields__ if getattr(a.cfg, k) != getattr(b.cfg, k)]
         raise CheckpointError(f"{path_a} and {path_b} are not the same model: their configs differ in {', '.join(diff)}")
@@ -221,18 +227,27 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True) ->
     pairs = list(iter_pairs(a, b))
     with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
         for name, fmt, layer, nbytes, load in pairs:
-            ta, tb = load()
-            if tb is None:  # stored bytes identical: no need to decode B
-                stats = exact_stats(ta)
-            elif tuple(ta.shape) != tuple(tb.shape):
-                raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
-            else:
-                stats = tensor_stats(ta, tb)
+            stats = Stats()
+            for ta, tb in load():
+                if tb is None:  # stored bytes identical: no need to decode B
+                    stats.add(exact_stats(ta))
+                elif tuple(ta.shape) != tuple(tb.shape):
+                    raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
+                else:
+                    stats.add(tensor_stats(ta, tb))
+            # one tensor however many slices it was compared in
+            stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
+            stats.tensors = 1
             out.items.append(Item(name, fmt, layer, stats))
             bar.advance(nbytes)
     for src in (a, b):
         src.close()
     return out
+
+
+def open_checkpoint(path: str | Path) -> Any:
+    """An HF checkpoint folder (the readers of other layouts plug in here)."""
+    return HFCheckpoint.open(path)
 
 
 def _worst_key(item: Item) -> tuple[float, float]:

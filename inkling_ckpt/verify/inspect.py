@@ -6,6 +6,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from ..layouts.hf import DTYPE_TO_ST, HFCheckpoint
+from ..model.inventory import parameter_count
 
 
 def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
@@ -29,7 +30,7 @@ def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
                 by_format[s.fmt]["bytes"] += s.nbytes
     for i in range(ckpt.cfg.num_hidden_layers):
         layers[i]["format"] = ckpt.plan.format_of(i)
-        layers[i]["attention"] = ckpt.cfg.layer_types[i]
+        layers[i]["attention"] = ckpt.cfg.layer_kind(i)
         by_format[ckpt.plan.format_of(i)]["layers"] += 1
     cfg = ckpt.cfg
     return {
@@ -40,6 +41,7 @@ def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
                   "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": cfg.vocab_size,
                   "vision": cfg.vision is not None},
         "tensors": len(specs),
+        "parameters": parameter_count(specs, cfg),
         "files": len({t.file for t in ckpt.tensors.values()}),
         "bytes": sum(s.nbytes for s in specs),
         "bytes_by_category": dict(sorted(by_cat.items())),
@@ -65,7 +67,8 @@ def render_inspect(info: dict[str, Any]) -> str:
         f"  variant {info['variant']}   plan {info['plan']}",
         f"  model   hidden {m['hidden_size']}, {m['layers']} layers, {m['experts']} experts x {m['moe_intermediate_size']}, "
         f"vocab {m['vocab_size']}, vision {'yes' if m['vision'] else 'no'}",
-        f"  {info['tensors']} tensors in {info['files']} files, {_size(info['bytes'])}",
+        f"  {info['tensors']} tensors in {info['files']} files, {_size(info['bytes'])}; "
+        f"{info['parameters']:,} parameters",
         "",
         "  by format      layers  tensors        bytes",
     ]
