@@ -48,6 +48,10 @@ from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
+#: BF16 expert bytes megatron-to-hf reads and re-encodes at once (at least one expert). A slice
+#: is alive about four times over (assembled read, the next read ahead, interleaved, encoded).
+SLICE_BYTES = 64 * 2**20
+
 # ---- distributed helpers ------------------------------------------------------------------------
 
 
@@ -335,7 +339,7 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
             continue
         stack = stacks[e.hf]
         if any(writer.needed(p.name) for p in stack.parts()):
-            jobs += [(e, stack, a, b) for a, b in expert_slices(stack)]
+            jobs += [(e, stack, a, b) for a, b in expert_slices(stack, SLICE_BYTES)]
 
     def load(job: tuple[Any, Any, int, int]) -> torch.Tensor:
         e, _, a, b = job
