@@ -279,7 +279,7 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
-        raise PlanError(f"plan covers {len(plan)} layers, the reference has {cfg.num_hidden_layers}")
+        raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
     m = MegatronMapping(cfg, preset)
     dtypes = check_torch_dist(reader, m)
     vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []

@@ -46,7 +46,6 @@ from ..errors import CheckpointError
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
 from ..formats.stacked import decode_stacked
-from ..layouts.hf import HFCheckpoint
 from ..model.inventory import ExpertStack, expert_stacks
 from ..progress import ByteProgress
 
@@ -246,8 +245,10 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True) ->
 
 
 def open_checkpoint(path: str | Path) -> Any:
-    """An HF checkpoint folder (the readers of other layouts plug in here)."""
-    return HFCheckpoint.open(path)
+    """An HF checkpoint folder, or a sharded one (``inkling-ckpt shard``: read back through its ranks)."""
+    from ..layouts.sharded import open_any
+
+    return open_any(path)
 
 
 def _worst_key(item: Item) -> tuple[float, float]:
