@@ -73,9 +73,10 @@ def test_transformers_logits_survive_the_round_trip(tmp_path):
 @pytest.mark.parametrize("variant", ["bf16", "mixed", "mxfp8"])
 def test_round_trip_with_kept_scales_is_byte_identical(cli, tmp_path, megatron, variant):
     code, out, err = cli("convert", "megatron-to-hf", megatron[variant], tmp_path / "back",
-                         "--reference", TINY[variant], "--scales", "keep", "-q")
+                         "--reference", TINY[variant], "--scales", "keep", "--max-shard-size", "2MB", "-q")
     assert code == 0, err
     assert _differing(TINY[variant], tmp_path / "back") == []
+    assert same_files(TINY[variant], tmp_path / "back") == []  # the very files make-fixture wrote (2MB shards)
     # Configs (the MXFP8 quantization_config included) and pass-through files too.
     for name in ("config.json", "generation_config.json"):
         assert json.loads((TINY[variant] / name).read_text()) == json.loads((tmp_path / "back" / name).read_text())
