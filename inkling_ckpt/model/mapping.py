@@ -100,8 +100,6 @@ class Experts(Copy):
         return torch.stack([gate, up], dim=2).reshape(e, r, c)
 
 
-Rule = Copy
-
 
 @dataclass(frozen=True)
 class ExtraState:
