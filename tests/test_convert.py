@@ -416,6 +416,10 @@ def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
                          "--dry-run")
     assert code == 0, err
     assert json.loads(out)["output_tensors"] == len(HFCheckpoint.open(TINY["mixed"]).tensors)
+    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run", "--preset", "bridge")
+    assert code == 0 and json.loads(out)["preset"] == "bridge", err
+    code, _, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--preset", "nemo")
+    assert code != 0 and "unknown Megatron key preset 'nemo'" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 
