@@ -17,6 +17,7 @@ from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.limits import check_count
 from ..layouts.paths import check_dst
+from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app
 from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
@@ -34,11 +35,15 @@ convert_app = typer.Typer(
 app.add_typer(convert_app)
 
 MAX_PAD_MULTIPLE = 1 << 16  # Megatron pads to 128 x TP; anything larger is a typo
+PRESET_OPT = typer.Option(
+    DEFAULT_PRESET, "--preset",
+    help=f"Megatron key layout: {', '.join(PRESETS)} (miles: one Megatron layer per decoder layer, as Miles' "
+         "Inkling; bridge: Megatron-Core HybridModel, attention of layer i at 2i and its MoE at 2i+1).")
 DRY_RUN_OPT = typer.Option(False, "--dry-run", help="Validate the input and print (JSON) what would be written; write nothing.")
 
 SCALES_HELP = (
-    "NVFP4 global/input scales: 'keep' takes them from the reference (unchanged weights then come back "
-    "byte-identical), 'fresh' recomputes them from the weights."
+    "Expert scales: 'keep' takes each NVFP4 expert's amax from the reference and reuses the reference's bytes for "
+    "unchanged blocks (unchanged weights then come back byte-identical), 'fresh' derives every scale from the weights."
 )
 
 
@@ -96,17 +101,15 @@ def _scales(value: str) -> str:
 def hf_to_megatron_cmd(
     src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
     dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
-    pad_vocab_to_multiple: Optional[int] = typer.Option(
-        None, "--pad-vocab-to-multiple", metavar="N",
-        help="Store the embedding and output layer zero-padded to a multiple of N rows (Megatron's padded size, "
-             "e.g. 128*TP). Default: the true vocab_size rows; Megatron pads at load."),
+    preset: str = PRESET_OPT,
+    allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
     dry_run: bool = DRY_RUN_OPT,
 ) -> None:
-    """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes, BF16).
+    """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
-    Routed experts are decoded from their layer's format to BF16 and stacked per layer (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2*I, H], gate then up), stored one chunk per expert. q/k/v are fused by query group. The vision tower is not part of a Megatron checkpoint. Load it with any TP/EP/PP; metadata.json is written last.
+    Routed experts are decoded from their layer's format to BF16 and de-interleaved per expert (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2F, H], gate rows then up rows), stored one chunk per expert; every other tensor keeps its stored dtype. q/k/v/r are four sub-keys of `linear_qkv.weight`. The vision tower is not part of a Megatron checkpoint (megatron-to-hf takes it from --reference). Load it with any TP/EP/PP; metadata.json is written last.
 
     Under `torchrun --nproc_per_node N` the ranks split the layers and write one checkpoint together (the same files as a one-process run).
 
@@ -117,14 +120,14 @@ def hf_to_megatron_cmd(
         check_dst(dst, [src])
     if dry_run:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
-        info = describe_hf_to_megatron(HFCheckpoint.open(src), pad_vocab_to_multiple=pad_vocab_to_multiple, ranks=ranks)
+        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks)
         if _rank() == 0:
             typer.echo(json.dumps(info, indent=2))
         return
     _steady_memory()
     with _torchrun():
         ckpt = HFCheckpoint.open(src)
-        result = hf_to_megatron(ckpt, dst, pad_vocab_to_multiple=pad_vocab_to_multiple, force=force,
+        result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
                                 progress=not quiet and _rank() == 0)
         if _rank() == 0:
             report(result, "conversion")
@@ -139,6 +142,7 @@ def megatron_to_hf_cmd(
     plan: Optional[str] = typer.Option(None, "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or bf16. "
                                                             "Default: the reference's."),
     scales: str = typer.Option("keep", "--scales", help=SCALES_HELP),
+    preset: str = PRESET_OPT,
     max_shard_size: str = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
@@ -147,7 +151,7 @@ def megatron_to_hf_cmd(
 ) -> None:
     """Bring trained Megatron weights back to HF in the served precision.
 
-    Each routed expert is re-encoded in its layer's format; everything else is copied back (vocabulary padding stripped). With --scales keep and unchanged weights the output is byte-identical to the reference.
+    Each layer's routed experts are re-interleaved and re-encoded in the layer's format (BF16, MXFP8 or NVFP4); everything else is copied back in its stored dtype. The vision tower and the configs come from --reference. With --scales keep and unchanged weights the output is byte-identical to the reference.
 
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
@@ -158,9 +162,9 @@ def megatron_to_hf_cmd(
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
     if dry_run:
-        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p), indent=2))
+        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset)), indent=2))
         return
-    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales),  # type: ignore[arg-type]
+    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=get_preset(preset),  # type: ignore[arg-type]
                             max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
                             force=force, progress=not quiet)
     report(result, "conversion")

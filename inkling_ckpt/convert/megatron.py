@@ -1,15 +1,18 @@
-"""HF ⇄ Megatron ``torch_dist``: ``convert hf-to-megatron`` and ``convert megatron-to-hf``.
+"""Release HF ⇄ Megatron ``torch_dist``: ``convert hf-to-megatron`` and ``convert megatron-to-hf``.
 
-hf-to-megatron streams: every stored chunk (a layer tensor, or one expert's ``linear_fc1`` /
-``linear_fc2`` slice) is built from the HF tensors it needs only when the storage writer asks
-for it — routed experts decoded from their layer's format to BF16 on the way — so memory stays
-at a few tensors. Under ``torchrun`` each rank takes a share of the conversion units (global
-tensors, each decoder layer, each MTP layer) and the ranks write one checkpoint collectively;
-file names depend on the unit, not the rank, so the result is the one-process result.
+The key layout is a preset table (:mod:`inkling_ckpt.model.mapping`, default ``miles``).
 
-megatron-to-hf reads chunk by chunk, undoes the mapping, re-encodes each expert in its layer's
-format (plan and, with ``--scales keep``, NVFP4 scales from the reference) and takes the vision
-tower and the configs from the reference HF checkpoint.
+hf-to-megatron streams: every stored chunk (one layer tensor, or one expert of a layer's
+``linear_fc1`` / ``linear_fc2``) is built only when the storage writer asks for it, from the
+bytes it needs — an expert is read, decoded from its layer's format to BF16 and de-interleaved on
+its own — so memory stays at a few chunks. Non-expert tensors keep their stored dtype. Under
+``torchrun`` each rank takes a share of the conversion units (global tensors, each decoder layer)
+and the ranks write one checkpoint collectively; file names depend on the unit, not the rank, so
+the result is the one-process result.
+
+megatron-to-hf reads chunk by chunk, undoes the mapping, re-encodes each layer's experts a few at
+a time in the layer's format (plan and, with ``--scales keep``, NVFP4 amax and unchanged blocks
+from the reference) and takes the vision tower and the configs from the reference HF checkpoint.
 
 Both publish atomically (``layouts.staging``), skip a finished job unless forced and resume an
 interrupted one; in the torch_dist folder ``metadata.json`` is written last.
@@ -29,21 +32,25 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
-from ..layouts.hf import HFWriter
+from ..layouts.hf import DTYPE_TO_ST, HFWriter
 from ..layouts.megatron import (
     RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir,
     write_dcp, write_tracker,
 )
 from ..layouts.staging import Staging
-from ..model.inventory import EXPERT_PROJS, ExpertLinear, expert_linears, inventory, module_layer
-from ..model.mapping import InklingMapping, StackedExperts, unit_of_key
+from ..model.inventory import expert_stacks, inventory, is_vision
+from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES, stored_shape_ok
 from ..model.precision import PrecisionPlan
+from ..model.quant_config import output_config
 from ..progress import ByteProgress
-from .experts import ExpertEncoder, ScalePolicy, expert_module
-from .requantize import Result, TensorSource, decode_linear, output_config, write_hf_checkpoint
+from .experts import ExpertEncoder, ScalePolicy, decode_slice
+from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
+#: BF16 expert bytes megatron-to-hf reads and re-encodes at once (at least one expert). A slice
+#: is alive about four times over (assembled read, the next read ahead, interleaved, encoded).
+SLICE_BYTES = 64 * 2**20
 
 # ---- distributed helpers ------------------------------------------------------------------------
 
@@ -101,60 +108,35 @@ def assign_units(sizes: dict[str, int], world: World) -> dict[str, int]:
 # ---- hf-to-megatron -----------------------------------------------------------------------------
 
 
-def logical_getter(src: TensorSource) -> Callable[[str], torch.Tensor]:
-    """``get_hf`` over a source: routed experts decoded to their logical BF16 weight."""
-    def get(name: str) -> torch.Tensor:
-        if name.endswith(".weight"):
-            hit = module_layer(name[: -len(".weight")])
-            if hit is not None:
-                layer, expert, proj = hit
-                fmt = src.plan.format_of(layer)
-                if fmt != "bf16":
-                    cfg = src.cfg
-                    I, H = cfg.moe_intermediate_size, cfg.hidden_size
-                    shape = (H, I) if proj == "down_proj" else (I, H)
-                    return decode_linear(src, ExpertLinear(name[: -len(".weight")], layer, expert, proj, shape, fmt))
-        return src.get(name)
-    return get
-
-
-def logical_names(src: TensorSource) -> list[str]:
-    """The source's text tensors as logical names (expert parts → ``<module>.weight``)."""
-    out: dict[str, None] = {}
-    for name in src.tensors:  # type: ignore[attr-defined]
-        if name.startswith("model.visual."):
-            continue
-        module, _, _ = name.rpartition(".")
-        if module_layer(module) is not None:
-            out[module + ".weight"] = None
-        else:
-            out[name] = None
-    return list(out)
-
-
-def plan_megatron(m: InklingMapping) -> tuple[list[ChunkItem], list[ObjectItem], dict[str, int]]:
+def plan_megatron(m: MegatronMapping) -> tuple[list[ChunkItem], list[ObjectItem], dict[str, int]]:
     """Every chunk and object of the output, each tagged with its unit number."""
     unit_no = {u: i for i, u in enumerate(m.units)}
     ranked: list[tuple[tuple[int, int, int, int], ChunkItem]] = []
     for pos, e in enumerate(m.entries()):
-        for off, size in m.chunks(e.key):
-            # Within a unit: the layer's tensors, then expert by expert (fc1 then fc2 of expert 0,
-            # of expert 1, …) — the order an HF checkpoint stores gate/up/down, so reads run forward.
-            rank = (unit_no[e.unit], 1, off[0], pos) if e.stacked else (unit_no[e.unit], 0, pos, 0)
-            ranked.append((rank, ChunkItem(e.key, off, size, e.shape, e.rule.dtype, unit_no[e.unit])))
+        for off, size in e.chunks():
+            # Within a unit: the layer's tensors, then each expert stack expert by expert — the
+            # order the release stores them, so reads run forward through the file.
+            rank = (unit_no[e.unit], 1 if e.stacked else 0, pos, off[0] if e.stacked else 0)
+            ranked.append((rank, ChunkItem(e.key, off, size, e.shape, e.dtype, unit_no[e.unit])))
     chunks = [c for _, c in sorted(ranked, key=lambda rc: rc[0])]
     payload = empty_extra_state()
-    objects = [ObjectItem(k, unit_no[unit_of_key(k)], payload) for k in m.extra_state_keys()]
+    objects = [ObjectItem(o.key, unit_no[o.unit], payload) for o in m.extra_state()]
     return chunks, objects, unit_no
 
 
-def _validated_plan(src: TensorSource, pad_vocab_to_multiple: int | None):
+def source_mapping(src: TensorSource, preset: str | Preset = DEFAULT_PRESET) -> MegatronMapping:
+    """The mapping of a release source (its own non-expert dtypes), checked against its tensors."""
+    m = MegatronMapping(src.cfg, preset, dtypes=src.dtypes())
+    m.check_hf(src.tensors, str(getattr(src, "root", "source")))
+    return m
+
+
+def _validated_plan(src: TensorSource, preset: str | Preset):
     """Check the source against the mapping and plan its chunks; also the bytes of each unit.
 
     Shared by ``hf_to_megatron`` and its ``--dry-run`` so both validate and size alike.
     """
-    m = InklingMapping(src.cfg, pad_vocab_to_multiple=pad_vocab_to_multiple)
-    m.check_source(logical_names(src), str(getattr(src, "root", "source")))
+    m = source_mapping(src, preset)
     chunks, objects, unit_no = plan_megatron(m)
     sizes: dict[str, int] = {}
     for c in chunks:
@@ -162,34 +144,45 @@ def _validated_plan(src: TensorSource, pad_vocab_to_multiple: int | None):
     return m, chunks, objects, unit_no, sizes
 
 
-def describe_hf_to_megatron(src: TensorSource, *, pad_vocab_to_multiple: int | None = None, ranks: int = 1) -> dict[str, Any]:
+def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bool = False) -> Callable[[ChunkItem], torch.Tensor]:
+    """Builds one stored chunk from the source: a tensor as stored, or experts decoded to BF16."""
+    stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+
+    def produce(item: ChunkItem) -> torch.Tensor:
+        e = m.entry(item.key)
+        if e.stacked:
+            a = item.offsets[0]
+            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite)
+            return m.to_megatron(e.key, w)
+        return m.to_megatron(e.key, src.get(e.hf))
+    return produce
+
+
+def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1) -> dict[str, Any]:
     """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
-    m, chunks, objects, _, sizes = _validated_plan(src, pad_vocab_to_multiple)
+    m, chunks, objects, _, sizes = _validated_plan(src, preset)
     owner = assign_units(sizes, World(0, ranks))
     return {
-        "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan),
-        "tensors": len(m.megatron_keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
-        "bytes": sum(c.nbytes for c in chunks), "vocab_rows": m.vocab_rows,
-        "largest_chunk_bytes": max(c.nbytes for c in chunks),
+        "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
+        "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
+        "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
+        "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),
         "units": {u: {"bytes": n, "rank": owner[u]} for u, n in sizes.items()},
     }
 
 
-def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple: int | None = None,
-                   force: bool = False, progress: bool = True) -> Result:
+def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset = DEFAULT_PRESET,
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
     """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
     world = current_world()
-    m, chunks, objects, unit_no, sizes = _validated_plan(src, pad_vocab_to_multiple)
+    m, chunks, objects, unit_no, sizes = _validated_plan(src, preset)
     owner = assign_units(sizes, world)
     mine = {unit_no[u] for u, r in owner.items() if r == world.rank}
     my_chunks = [c for c in chunks if c.unit in mine]
     my_objects = [o for o in objects if o.unit in mine]
-    job = {"command": "hf-to-megatron", "source": src.describe(), "vocab_rows": m.vocab_rows}
+    job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name}
     result = Result(Path(dst))
-    get_hf = logical_getter(src)
-
-    def produce(item: ChunkItem) -> torch.Tensor:
-        return m.build_chunk(item.key, item.offsets, item.sizes, get_hf)
+    produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite)
 
     total = sum(c.nbytes for c in my_chunks)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
@@ -213,7 +206,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
                     _all_ok(err, world)  # every rank has written; .metadata is there
                     written = True
                     finish_iteration_dir(Path(st.path) / RELEASE, common_state(
-                        inkling={"version": __version__, "vocab_size": src.cfg.vocab_size, "vocab_rows": m.vocab_rows,
+                        inkling={"version": __version__, "preset": m.preset.name, "vocab_size": src.cfg.vocab_size,
                                  "source_plan": str(src.plan)}))
                     write_tracker(Path(st.path))
         except BaseException as e:
@@ -233,7 +226,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, pad_vocab_to_multiple:
         _all_ok(None, world)
     if result.skipped:
         return result
-    result.tensors = len(m.megatron_keys())
+    result.tensors = len(m.keys())
     result.bytes = sum(c.nbytes for c in chunks)
     return result
 
@@ -254,130 +247,122 @@ def _write_share(folder: Path, chunks: list[ChunkItem], objects: list[ObjectItem
 # ---- megatron-to-hf -----------------------------------------------------------------------------
 
 
-_SKIP_PREFIXES = ("optimizer.", "rng_state", "common_state")
-_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[str, torch.dtype]:
+    """Every mapped key present at its global shape, experts BF16, no tensor left unused.
 
-
-def check_torch_dist(reader: TorchDistCheckpoint, m: InklingMapping) -> None:
-    """Every mapped key present at its global shape and dtype; no tensor left unconsumed.
-
-    The two vocabulary tensors may carry any padding (Megatron pads the vocabulary); rows
-    beyond the config's ``vocab_size`` are dropped on the way back.
+    Returns the stored dtype of each non-expert release tensor (written back as stored). The two
+    vocabulary tensors may hold more rows than the release (a Megatron-padded vocabulary); the
+    extra rows are dropped on the way back.
     """
     where = str(reader.folder)
-    keys = m.megatron_keys()
-    for key in keys:
-        st = reader.keys.get(key)
-        if st is None:
-            raise CheckpointError(f"{where}: missing tensor {key}")
-        want = m.megatron_shape(key)
-        if key in _VOCAB_KEYS:
-            ok = len(st.shape) == 2 and st.shape[1] == want[1] and st.shape[0] >= m.cfg.vocab_size
-            shown = f"[>= {m.cfg.vocab_size}, {want[1]}]"
+    m.check_megatron(reader.keys, where)
+    dtypes: dict[str, torch.dtype] = {}
+    for e in m.entries():
+        st = reader.keys[e.key]
+        if not stored_shape_ok(e, st.shape):
+            shown = f"[>= {e.shape[0]}, {e.shape[1]}]" if e.rule.vocab else str(list(e.shape))
+            raise CheckpointError(f"{where}: {e.key} is {list(st.shape)}, the reference config says {shown}")
+        if e.stacked:
+            if st.dtype != torch.bfloat16:
+                raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}; routed experts "
+                                      "must be BF16 (no implicit casts)")
+        elif st.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}, not a float tensor")
         else:
-            ok, shown = st.shape == want, str(list(want))
-        if not ok:
-            raise CheckpointError(f"{where}: {key} is {list(st.shape)}, the reference config says {shown}")
-        if st.dtype != m.megatron_dtype(key):
-            raise CheckpointError(f"{where}: {key} is {st.dtype}, expected {m.megatron_dtype(key)} (no implicit casts)")
-    known = set(keys)
-    extra = sorted(k for k in reader.keys if k not in known and not k.startswith(_SKIP_PREFIXES))
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{where}: no rule consumes tensor {extra[0]}{more}")
+            dtypes[e.hf] = st.dtype
+    return dtypes
 
 
-def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None) -> dict[str, Any]:
-    """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
-    reader = TorchDistCheckpoint.open(src)
-    reader.unstack_layers(reference.cfg.num_hidden_layers)
-    plan = plan or reference.plan
-    if len(plan) != reference.cfg.num_hidden_layers:
-        raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {reference.cfg.num_hidden_layers}")
-    m = InklingMapping(reference.cfg)
-    check_torch_dist(reader, m)
-    specs = inventory(reference.cfg, plan)
-    skipped = sorted(k for k in reader.keys if k.startswith(_SKIP_PREFIXES))
-    return {
-        "source": str(reader.folder), "tensors_read": len(m.megatron_keys()), "skipped_keys": len(skipped),
-        "objects_ignored": len(reader.objects), "plan": str(plan), "output_tensors": len(specs),
-        "output_bytes": sum(s.nbytes for s in specs),
-        "vision_tensors_from_reference": sum(1 for s in specs if s.name.startswith("model.visual.")),
-    }
-
-
-def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                   scales: ScalePolicy = "keep", max_shard_size: int | str = "5GB", allow_nonfinite: bool = False,
-                   force: bool = False, progress: bool = True) -> Result:
-    """Write the torch_dist checkpoint ``src`` as an HF checkpoint at ``dst`` in ``plan``'s precision."""
-    if current_world().distributed:
-        raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
+def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
     reader = TorchDistCheckpoint.open(src)
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
-    m = InklingMapping(cfg)
-    check_torch_dist(reader, m)
-    encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" or reference.plan.variant != "bf16" else None,
+    m = MegatronMapping(cfg, preset)
+    dtypes = check_torch_dist(reader, m)
+    vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []
+    specs = inventory(cfg, plan, dtypes=dtypes, vision=vision)
+    return reader, plan, m, specs
+
+
+def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
+                            preset: str | Preset = DEFAULT_PRESET) -> dict[str, Any]:
+    """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
+    return {
+        "source": str(reader.folder), "preset": m.preset.name, "tensors_read": len(m.keys()),
+        "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "plan": str(plan),
+        "output_tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),
+        "vision_tensors_from_reference": sum(1 for s in specs if is_vision(s.name)),
+    }
+
+
+def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
+                   scales: ScalePolicy = "keep", preset: str | Preset = DEFAULT_PRESET, max_shard_size: int | str = "5GB",
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
+    """Write the torch_dist checkpoint ``src`` as a release checkpoint at ``dst`` in ``plan``'s formats.
+
+    ``reference`` (the release the weights came from) gives the configs, the vision tower, the
+    default plan and, with ``scales="keep"``, the NVFP4 amax and the bytes of unchanged blocks.
+    """
+    if current_world().distributed:
+        raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    cfg = reference.cfg
+    encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" else None,
                             allow_nonfinite=allow_nonfinite)
-    specs = inventory(cfg, plan)
-    config, hf_quant = output_config(reference.config, cfg, plan)
+    config = output_config(reference.config, cfg, plan)
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
-           "plan": str(plan), "scales": scales, "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
-    sizes = {s.name: s.nbytes for s in specs}
+           "plan": str(plan), "scales": scales, "preset": m.preset.name, "max_shard_size": str(max_shard_size),
+           "allow_nonfinite": allow_nonfinite}
     return write_hf_checkpoint(
-        dst, job, specs, config, hf_quant, reference.extra_files(),
-        lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, sizes, advance),
-        encoder=encoder, plan=plan, max_shard_size=max_shard_size, force=force, progress=progress,
-        desc="megatron-to-hf",
+        dst, job, specs, config, reference.extra_files(),
+        lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, advance),
+        max_shard_size=max_shard_size, force=force, progress=progress, desc="megatron-to-hf",
     )
 
 
-def _stream_to_hf(reader: TorchDistCheckpoint, m: InklingMapping, reference: TensorSource, writer: HFWriter,
-                  encoder: ExpertEncoder, sizes: dict[str, int], advance: Callable[[int], None]) -> None:
-    def put(name: str, t: torch.Tensor) -> None:
-        if writer.needed(name):
-            writer.write(name, t)
-            advance(sizes[name])
-
-    cfg = m.cfg
-    stacked: dict[int, dict[str, str]] = {}
+def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, writer: HFWriter,
+                  encoder: ExpertEncoder, advance: Callable[[int], None]) -> None:
     for e in m.entries():
-        if isinstance(e.rule, StackedExperts):
-            fc = "fc1" if len(e.rule.hf) == 2 else "fc2"
-            stacked.setdefault(e.idx["layer"], {})[fc] = e.key
+        if not e.stacked and writer.needed(e.hf):
+            t = m.to_hf(e.key, reader.read(e.key))
+            writer.write(e.hf, t.contiguous())
+            advance(t.nbytes)
+    stacks = {st.name: st for st in expert_stacks(m.cfg, encoder.plan)}
+    jobs: list[tuple[Any, Any, int, int]] = []  # (entry, output stack, first expert, last)
+    for e in m.entries():
+        if not e.stacked:
             continue
-        outs = m.hf_inputs(e.key)
-        if not any(writer.needed(n) for n in outs):
-            continue
-        for name, v in m.to_hf(e.key, reader.read(e.key)).items():
-            put(name, v.contiguous())
-    I, H = cfg.moe_intermediate_size, cfg.hidden_size
-    todo: list[tuple[int, int]] = []
-    for layer in range(cfg.num_hidden_layers):
-        outputs: dict[int, list[str]] = {}
-        for lin in expert_linears(cfg, encoder.plan, layer):
-            outputs.setdefault(lin.expert, []).extend(s.name for s in lin.parts())
-        todo += [(layer, e) for e in range(cfg.n_routed_experts) if any(writer.needed(n) for n in outputs[e])]
+        stack = stacks[e.hf]
+        if any(writer.needed(p.name) for p in stack.parts()):
+            jobs += [(e, stack, a, b) for a, b in expert_slices(stack, SLICE_BYTES)]
 
-    def load(job: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        layer, expert = job
-        keys = stacked[layer]
-        return (reader.read(keys["fc1"], (expert, 0, 0), (1, 2 * I, H)),
-                reader.read(keys["fc2"], (expert, 0, 0), (1, H, I)))
+    def load(job: tuple[Any, Any, int, int]) -> torch.Tensor:
+        e, _, a, b = job
+        return reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))
 
-    for (layer, expert), (fc1, fc2) in _read_ahead(todo, load):
-        keys = stacked[layer]
-        logical = {**m.experts_to_hf(keys["fc1"], fc1, expert), **m.experts_to_hf(keys["fc2"], fc2, expert)}
-        weights = {proj: logical[f"{expert_module(layer, expert, proj)}.weight"] for proj in EXPERT_PROJS}
-        for name, t in encoder.encode(layer, expert, weights).items():
-            put(name, t)
+    for (e, stack, a, _), mg in _read_ahead(jobs, load):
+        for suffix, t in encoder.encode(stack, a, m.to_hf(e.key, mg)).items():
+            name = e.hf + suffix
+            if not writer.needed(name):
+                continue
+            if t.dim() == 0:  # the NVFP4 scalar denominator: every slice carries it, write it once
+                if a == 0:
+                    writer.write(name, t)
+                    advance(t.nbytes)
+                continue
+            writer.write_rows(name, a, t.contiguous())
+            advance(t.nbytes)
     for name in writer.pending():  # the vision tower: from the reference, bit for bit
-        if not name.startswith("model.visual."):
+        if not is_vision(name):
             raise CheckpointError(f"megatron-to-hf: nothing produced {name}")
-        put(name, reference.get(name))
+        t = reference.get(name)
+        writer.write(name, t)
+        advance(t.nbytes)
 
 
 def _read_ahead(jobs: list[Any], load: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
@@ -394,4 +379,5 @@ def _read_ahead(jobs: list[Any], load: Callable[[Any], Any]) -> Iterator[tuple[A
             del data
 
 
-__all__ = ["hf_to_megatron", "megatron_to_hf", "describe_hf_to_megatron", "describe_megatron_to_hf", "plan_megatron", "logical_getter", "logical_names", "assign_units"]
+__all__ = ["hf_to_megatron", "megatron_to_hf", "describe_hf_to_megatron", "describe_megatron_to_hf", "plan_megatron",
+           "chunk_producer", "source_mapping", "check_torch_dist", "assign_units"]

@@ -258,7 +258,12 @@ class _UnitWriter(FileSystemWriter):
                 if isinstance(data, io.BytesIO):
                     hw.write(data.getbuffer())
                 else:
-                    torch.save(data, hw)
+                    try:
+                        torch.save(data, hw)
+                    except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
+                        if isinstance(e.__context__, OSError):
+                            raise e.__context__ from None
+                        raise
                 length = f.tell() - start
                 sums.append(f"{start} {length} {hw.hexdigest()}\n")
                 results.append(WriteResult(index=wi.index, size_in_bytes=length,

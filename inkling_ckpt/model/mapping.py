@@ -1,600 +1,442 @@
-"""Inkling 2 HF ⇄ Megatron-Core ``torch_dist`` names and tensor transforms, as typed rules.
+"""Inkling 2 release tensors ⇄ Megatron-Core ``torch_dist`` keys, as preset tables of typed rules.
 
-The table (:data:`RULES`) is data: each rule names one Megatron checkpoint key pattern and the
-HF tensor(s) it is built from, and knows how to go both ways. Patterns use ``{layer}`` (decoder
-layer), ``{mtp}`` (MTP layer) and, on the HF side of stacked experts, ``{expert}``; a rule expands
-them per layer. Keys follow ``shared/spec/megatron.md``:
+A :class:`Preset` is data: a list of rules, each naming one Megatron key pattern and the release
+tensor (an inventory row, :data:`~inkling_ckpt.model.inventory.TEXT_ROWS`) it holds, plus where
+a decoder layer's parts sit among Megatron's layers (``sites``) and which TE modules carry an
+``_extra_state`` object. Key patterns use ``{L}``: the Megatron layer prefix
+(``decoder.layers.{n}``) of the rule's site, ``n = stride·i + offset`` for decoder layer ``i``.
 
-* per-layer keys (``decoder.layers.{i}.…``, no ``model.`` prefix, no layer axis), because
-  Inkling's layers are not homogeneous (full-attention layers carry K/V convolutions);
-* every tensor at its global shape (the loader reshards to any TP/EP/PP);
-* ``linear_qkv`` interleaved by query group: ``[q(g0), k(g0), v(g0), q(g1), …]`` with
-  ``num_attention_heads / num_key_value_heads`` query heads per group
-  (Megatron-LM ``megatron/core/transformer/attention.py`` ``get_query_key_value_tensors``,
-  core_v0.16.1: ``view(..., ng, (np/ng + 2) * hn)`` then split ``[np/ng*hn, hn, hn]``);
-* ``linear_fc1 = cat([gate, up], 0)`` (``megatron/core/transformer/mlp.py``: the first half of
-  fc1's output is activated, i.e. the gate);
-* routed experts stacked per layer under ``mlp.experts.experts.linear_fc{1,2}.weight`` with a
-  leading expert axis (note the double ``experts``), stored one chunk per (layer, expert).
+Two rule types cover the release (``shared/spec/megatron.md``):
 
-:class:`InklingMapping` expands the table for one config, checks it both ways (every HF text
-tensor consumed by exactly one rule, every rule input present) and is the API the converters
-and the weight-sync library use. Experts on the HF side are always *logical* BF16 weights
-(``…experts.{e}.gate_proj.weight``); encoding them to a served format is the caller's job.
+* :class:`Copy`: one tensor stored as is under another name. The inventory row decides the
+  layers it exists on (sliding / full) and carries the ``attn_res`` index shift, so
+  ``decoder.layers.{i}.attn_res_query`` ← ``model.llm.attn_res.attn_queries.{i-1}`` needs no code.
+  q/k/v/r are four such rules (sub-keys ``.q/.k/.v/.r`` of ``linear_qkv.weight``, as Miles saves
+  its fused q‖k‖v‖r), so nothing depends on how a model fuses them in memory.
+* :class:`Experts`: a layer's stacked routed experts, BF16 in Megatron, one chunk per expert.
+  Fused (w13) experts are de-interleaved per expert, ``cat(w13[e, 0::2], w13[e, 1::2])``: gate
+  rows then up rows, Megatron's ``linear_fc1`` order. Quantized release experts are decoded to
+  BF16 before this (by the caller, ``formats.stacked.decode_stacked``).
+
+:class:`MegatronMapping` expands a preset for one config and checks it both ways at
+construction: every release text tensor maps to exactly one key, every key to exactly one
+release tensor. :data:`PRESETS` holds ``miles`` (default) and ``bridge`` (Megatron-Core
+HybridModel: attention of layer i at ``decoder.layers.{2i}``, its MoE at ``{2i+1}``).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
 from .config import InklingConfig
-from .inventory import LAYER, MTP, TEXT, Scope, inventory
+from .inventory import (
+    EXPERTS, LAYER, FULL, BOTH, TEXT, TEXT_ROWS, Row, Scope, inventory, is_vision, match_name,
+)
 from .precision import PrecisionPlan
 
-BF16, F32 = torch.bfloat16, torch.float32
+BF16 = torch.bfloat16
+_ROW_BY_PATTERN: dict[str, Row] = {r.pattern: r for r in TEXT_ROWS}
 
-GetHF = Callable[[str], torch.Tensor]
-Index = Mapping[str, int]
-
-_FIELD = re.compile(r"\{(\w+)\}")
-_LOOPS = ("layer", "mtp")
+#: Megatron keys a reader skips without complaint: training state, not weights.
+SKIPPED_PREFIXES = ("optimizer.", "rng_state", "common_state")
 
 
-def _fields(pattern: str) -> set[str]:
-    return set(_FIELD.findall(pattern))
-
-
-# ---- rule types -----------------------------------------------------------------------------
+# ---- rule types ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Rule:
-    """One Megatron key pattern and the HF tensors it is made of.
+class Copy:
+    """One release tensor (inventory row ``hf``) stored as is under ``key``.
 
-    ``hf`` holds the HF name patterns in the order the transform takes them. ``only`` restricts
-    a per-layer rule to full-attention layers (K/V convolutions). Subclasses define the shape
-    and the two transforms; none of them modifies its inputs.
+    ``site`` picks the Megatron layer of a per-layer tensor (``"attn"`` or ``"mlp"``); global
+    tensors ignore it. ``vocab``: the rows are the vocabulary, and a Megatron source may hold
+    more of them (its padded size); the extra rows are dropped on the way back.
     """
 
-    megatron: str
-    hf: tuple[str, ...]
-    only: str | None = None
-    dtype: torch.dtype = BF16
+    key: str
+    hf: str
+    site: str = "attn"
+    vocab: bool = False
 
-    def __post_init__(self) -> None:
-        loops = _fields(self.megatron)
-        if not loops <= set(_LOOPS) or len(loops) > 1:
-            raise ConfigError(f"mapping rule {self.megatron}: key pattern may use one of {{layer}}/{{mtp}}, got {sorted(loops)}")
-        for p in self.hf:
-            if _fields(p) != loops | set(self._hf_extra_fields()):
-                raise ConfigError(
-                    f"mapping rule {self.megatron}: HF pattern {p} has fields {sorted(_fields(p))}, expected "
-                    f"{sorted(loops | set(self._hf_extra_fields()))}"
-                )
-
-    # The fields a key pattern loops over (none: global).
     @property
-    def loop(self) -> str | None:
-        loops = _fields(self.megatron)
-        return next(iter(loops)) if loops else None
+    def row(self) -> Row:
+        row = _ROW_BY_PATTERN.get(self.hf)
+        if row is None:
+            raise ConfigError(f"mapping rule {self.key}: {self.hf} is not a row of the release inventory")
+        return row
 
-    def _hf_extra_fields(self) -> tuple[str, ...]:
-        return ()
+    def to_megatron(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
-    def hf_names(self, cfg: InklingConfig, idx: Index) -> list[str]:
-        """Every HF tensor name this rule consumes at ``idx``, in transform order."""
-        return [p.format(**idx) for p in self.hf]
-
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def chunks(self, cfg: InklingConfig, vocab_rows: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """How the tensor is stored: (offsets, sizes) per chunk. One chunk unless stacked."""
-        shape = self.shape(cfg, vocab_rows)
-        return [((0,) * len(shape), shape)]
-
-    def build(self, cfg: InklingConfig, idx: Index, get_hf: GetHF, offsets: Sequence[int], sizes: Sequence[int],
-              vocab_rows: int) -> torch.Tensor:
-        """The stored chunk at ``offsets`` (whole-tensor rules have one chunk at 0)."""
-        return self.combine(cfg, [get_hf(n) for n in self.hf_names(cfg, idx)], vocab_rows)
-
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        raise NotImplementedError
-
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    def to_hf(self, t: torch.Tensor) -> torch.Tensor:
+        return t
 
 
 @dataclass(frozen=True)
-class Rename(Rule):
-    """One HF tensor stored as is under another name."""
+class Experts(Copy):
+    """A layer's stacked routed experts [E, R, C], BF16 in Megatron, one chunk per expert.
 
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        return _hf_shape(cfg, self.hf[0])
-
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        return hf[0]
-
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {self.hf[0].format(**idx): tensor}
-
-
-@dataclass(frozen=True)
-class VocabRows(Rename):
-    """Embedding / output layer: rows are the vocabulary, optionally zero-padded for Megatron.
-
-    Megatron loads any stored vocab size for these two (``allow_shape_mismatch``): it truncates or
-    zero-pads. Going back, rows beyond the HF ``vocab_size`` are dropped.
+    Fused rows (w13: gate/up interleaved on disk) become ``[gate rows; up rows]`` per expert.
+    Works on any leading slice of experts.
     """
 
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        return (vocab_rows, cfg.hidden_size)
+    site: str = "mlp"
 
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        t = hf[0]
-        if vocab_rows == t.shape[0]:
+    def to_megatron(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.row.fused:
             return t
-        pad = t.new_zeros((vocab_rows - t.shape[0], *t.shape[1:]))
-        return torch.cat([t, pad], 0)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], 1)
 
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if tensor.shape[0] < cfg.vocab_size:
-            raise CheckpointError(
-                f"{self.megatron}: {tensor.shape[0]} vocabulary rows, the config needs {cfg.vocab_size}"
-            )
-        return {self.hf[0].format(**idx): tensor[: cfg.vocab_size]}
-
-
-@dataclass(frozen=True)
-class QKVInterleave(Rule):
-    """q, k, v fused by query group: ``[q heads of group g, k_g, v_g]`` for g = 0 … ng-1."""
-
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        return (cfg.q_dim + 2 * cfg.kv_dim, cfg.hidden_size)
-
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        q, k, v = hf
-        ng, d = cfg.num_key_value_heads, cfg.head_dim
-        per = cfg.num_attention_heads // ng
-        h = q.shape[-1]
-        return torch.cat([q.reshape(ng, per * d, h), k.reshape(ng, d, h), v.reshape(ng, d, h)], 1).reshape(-1, h)
-
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        ng, d = cfg.num_key_value_heads, cfg.head_dim
-        per = cfg.num_attention_heads // ng
-        h = tensor.shape[-1]
-        q, k, v = tensor.reshape(ng, (per + 2) * d, h).split([per * d, d, d], 1)
-        names = self.hf_names(cfg, idx)
-        return {names[0]: q.reshape(-1, h).contiguous(), names[1]: k.reshape(-1, h).contiguous(),
-                names[2]: v.reshape(-1, h).contiguous()}
+    def to_hf(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.row.fused:
+            return t
+        e, r, c = t.shape
+        gate, up = t[:, : r // 2], t[:, r // 2:]
+        return torch.stack([gate, up], dim=2).reshape(e, r, c)
 
 
 @dataclass(frozen=True)
-class GateUpConcat(Rule):
-    """A dense SwiGLU ``linear_fc1``: ``cat([gate, up], 0)``."""
+class ExtraState:
+    """A TE module whose ``_extra_state`` object Megatron's default load requires.
 
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        g = _hf_shape(cfg, self.hf[0])
-        return (2 * g[0], *g[1:])
-
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        return torch.cat([hf[0], hf[1]], 0)
-
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        gate, up = tensor.chunk(2, 0)
-        names = self.hf_names(cfg, idx)
-        return {names[0]: gate.contiguous(), names[1]: up.contiguous()}
-
-
-@dataclass(frozen=True)
-class StackedExperts(Rule):
-    """A layer's routed experts as one ``[E, out, in]`` tensor, stored one chunk per expert.
-
-    With two HF patterns (gate, up) each expert's slice is ``cat([gate, up], 0)`` (fc1); with one
-    (down) it is the weight itself (fc2). HF names are the logical BF16 weights.
+    ``kinds``: layer kinds it exists on; ``per_expert``: one object per routed expert
+    (``shard_{e}_{E}``), else one (``shard_0_1``).
     """
 
-    def _hf_extra_fields(self) -> tuple[str, ...]:
-        return ("expert",)
-
-    def hf_names(self, cfg: InklingConfig, idx: Index) -> list[str]:
-        return [p.format(**idx, expert=e) for e in range(cfg.n_routed_experts) for p in self.hf]
-
-    def expert_names(self, idx: Index, expert: int) -> list[str]:
-        return [p.format(**idx, expert=expert) for p in self.hf]
-
-    def shape(self, cfg: InklingConfig, vocab_rows: int) -> tuple[int, ...]:
-        one = _hf_shape(cfg, self.hf[0])
-        return (cfg.n_routed_experts, len(self.hf) * one[0], one[1])
-
-    def chunks(self, cfg: InklingConfig, vocab_rows: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        _, rows, cols = self.shape(cfg, vocab_rows)
-        return [((e, 0, 0), (1, rows, cols)) for e in range(cfg.n_routed_experts)]
-
-    def build(self, cfg: InklingConfig, idx: Index, get_hf: GetHF, offsets: Sequence[int], sizes: Sequence[int],
-              vocab_rows: int) -> torch.Tensor:
-        first, count = offsets[0], sizes[0]
-        out: torch.Tensor | None = None
-        for j, e in enumerate(range(first, first + count)):
-            row = 0
-            for name in self.expert_names(idx, e):  # copied straight into place: one copy per weight
-                w = get_hf(name)
-                if out is None:
-                    out = w.new_empty((count, len(self.hf) * w.shape[0], w.shape[1]))
-                if w.dim() != 2 or row + w.shape[0] > out.shape[1] or w.shape[1] != out.shape[2] or w.dtype != out.dtype:
-                    raise CheckpointError(f"{name}: {w.dtype} {list(w.shape)} does not fit {self.megatron.format(**idx)}")
-                out[j, row:row + w.shape[0]] = w
-                row += w.shape[0]
-        if out is None:
-            raise CheckpointError(f"{self.megatron.format(**idx)}: empty expert range at {first}")
-        return out
-
-    def combine_one(self, hf: Sequence[torch.Tensor]) -> torch.Tensor:
-        return hf[0] if len(hf) == 1 else torch.cat(list(hf), 0)
-
-    def combine(self, cfg: InklingConfig, hf: Sequence[torch.Tensor], vocab_rows: int) -> torch.Tensor:
-        n = len(self.hf)
-        return torch.stack([self.combine_one(hf[i:i + n]) for i in range(0, len(hf), n)], 0)
-
-    def split(self, cfg: InklingConfig, idx: Index, tensor: torch.Tensor, expert_offset: int = 0) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for j in range(tensor.shape[0]):
-            names = self.expert_names(idx, expert_offset + j)
-            pieces = tensor[j].chunk(len(names), 0) if len(names) > 1 else (tensor[j],)
-            for name, piece in zip(names, pieces):
-                out[name] = piece.contiguous()
-        return out
+    module: str
+    site: str | None = "attn"  # None: a global module
+    kinds: frozenset[str] = BOTH
+    per_expert: bool = False
 
 
-def _hf_shape(cfg: InklingConfig, pattern: str) -> tuple[int, ...]:
-    return _hf_shapes(cfg)[_canonical(pattern)]
+@dataclass(frozen=True)
+class Preset:
+    """A Megatron key layout: rules, layer sites and ``_extra_state`` modules."""
+
+    name: str
+    rules: tuple[Copy, ...]
+    extra_state: tuple[ExtraState, ...]
+    sites: Mapping[str, tuple[int, int]] = field(default_factory=lambda: {"attn": (1, 0), "mlp": (1, 0)})
+    layer_prefix: str = "decoder.layers.{n}"
+
+    def layer_prefix_of(self, site: str, layer: int) -> str:
+        if site not in self.sites:
+            raise ConfigError(f"preset {self.name}: unknown site {site!r} (known: {', '.join(self.sites)})")
+        stride, offset = self.sites[site]
+        return self.layer_prefix.format(n=stride * layer + offset)
+
+    def renamed(self, name: str, keys: Mapping[str, str], sites: Mapping[str, tuple[int, int]] | None = None) -> "Preset":
+        """Another preset: these keys renamed (whole patterns), optionally other sites."""
+        unknown = set(keys) - {r.key for r in self.rules}
+        if unknown:
+            raise ConfigError(f"preset {name}: renames unknown keys {sorted(unknown)}")
+        rules = tuple(replace(r, key=keys.get(r.key, r.key)) for r in self.rules)
+        return Preset(name, rules, self.extra_state, dict(sites or self.sites), self.layer_prefix)
 
 
-def _canonical(pattern: str) -> str:
-    return pattern.format(layer=0, mtp=0, expert=0, vblock=0) if _fields(pattern) else pattern
+# ---- the ``miles`` table (shared/spec/megatron.md) ----------------------------------------------
+
+_R = LAYER  # model.llm.layers.{layer}
+_A = f"{LAYER}.attn"
+_SA = "{L}.self_attention"
 
 
-@lru_cache(maxsize=8)
-def _hf_shapes(cfg: InklingConfig) -> dict[str, tuple[int, ...]]:
-    """Shapes of the HF logical tensors, by canonical name (indices 0)."""
-    plan = PrecisionPlan.uniform("bf16", cfg.num_hidden_layers)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for s in inventory(cfg, plan):
-        # Every layer's tensor of one row has the same shape (K/V convolutions exist on
-        # full-attention layers only, so take the first occurrence of each row).
-        name = _canonical(s.row.pattern) + (f".{s.part}" if s.part is not None else "")
-        shapes.setdefault(name, s.shape)
-    return shapes
+def _qkvr() -> tuple[Copy, ...]:
+    # Miles saves its fused q‖k‖v‖r linear as four sub-keys: no per-group interleave to undo.
+    return tuple(Copy(f"{_SA}.linear_qkv.weight.{p}", f"{_A}.{hf}.weight")
+                 for p, hf in (("q", "wq_du"), ("k", "wk_dv"), ("v", "wv_dv"), ("r", "wr_du")))
 
 
-# ---- the Inkling 2 table --------------------------------------------------------------------
-
-_FULL = "full_attention"
-
-
-def _attention(hf: str, mg: str, convs_only: str | None) -> list[Rule]:
-    """Attention of a decoder layer (``hf``/``mg`` prefixes) or of the MTP layer.
-
-    K/V convolutions exist on full-attention decoder layers (``convs_only``) and on the MTP
-    layer, whose attention is a full-attention layer's.
-    """
-    a, s = f"{hf}.self_attn", f"{mg}.self_attention"
-    rules: list[Rule] = [
-        Rename(f"{s}.linear_qkv.layer_norm_weight", (f"{hf}.input_layernorm.weight",)),
-        QKVInterleave(f"{s}.linear_qkv.weight", (f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight")),
-        Rename(f"{s}.linear_gate.weight", (f"{a}.g_proj.weight",)),
-        Rename(f"{s}.linear_proj.weight", (f"{a}.o_proj.weight",)),
-        Rename(f"{s}.sink_proj.weight", (f"{a}.sink_proj.weight",)),
-        Rename(f"{s}.relative_bias.weight", (f"{a}.rel_bias.weight",)),
-    ]
-    rules += [
-        Rename(f"{s}.k_conv.weight", (f"{a}.k_conv.weight",), only=convs_only),
-        Rename(f"{s}.v_conv.weight", (f"{a}.v_conv.weight",), only=convs_only),
-    ]
-    return rules
-
-
-_DL = "decoder.layers.{layer}"
-_ML = "mtp.layers.{mtp}"
-_MT = f"{_ML}.transformer_layer"
-_EXP = f"{LAYER}.mlp.experts.{{expert}}"
-
-RULES: tuple[Rule, ...] = (
-    VocabRows("embedding.word_embeddings.weight", (f"{TEXT}.embed_tokens.weight",)),
-    *_attention(LAYER, _DL, convs_only=_FULL),
-    Rename(f"{_DL}.attn_residual.query", (f"{LAYER}.attn_residual.query",)),
-    Rename(f"{_DL}.attn_residual.norm.weight", (f"{LAYER}.attn_residual.norm.weight",)),
-    Rename(f"{_DL}.mlp_residual.query", (f"{LAYER}.mlp_residual.query",)),
-    Rename(f"{_DL}.mlp_residual.norm.weight", (f"{LAYER}.mlp_residual.norm.weight",)),
-    Rename(f"{_DL}.pre_mlp_layernorm.weight", (f"{LAYER}.post_attention_layernorm.weight",)),
-    Rename(f"{_DL}.mlp.router.weight", (f"{LAYER}.mlp.gate.weight",)),
-    Rename(f"{_DL}.mlp.router.expert_bias", (f"{LAYER}.mlp.gate.e_score_correction_bias",), dtype=F32),
-    StackedExperts(f"{_DL}.mlp.experts.experts.linear_fc1.weight", (f"{_EXP}.gate_proj.weight", f"{_EXP}.up_proj.weight")),
-    StackedExperts(f"{_DL}.mlp.experts.experts.linear_fc2.weight", (f"{_EXP}.down_proj.weight",)),
-    Rename("decoder.final_layernorm.weight", (f"{TEXT}.norm.weight",)),
-    VocabRows("output_layer.weight", ("lm_head.weight",)),
-    Rename(f"{_ML}.enorm.weight", (f"{MTP}.enorm.weight",)),
-    Rename(f"{_ML}.hnorm.weight", (f"{MTP}.hnorm.weight",)),
-    Rename(f"{_ML}.eh_proj.weight", (f"{MTP}.eh_proj.weight",)),
-    *_attention(MTP, _MT, convs_only=None),
-    # The MTP layer's MLP is dense: TE fuses its pre-MLP norm into linear_fc1.
-    Rename(f"{_MT}.mlp.linear_fc1.layer_norm_weight", (f"{MTP}.post_attention_layernorm.weight",)),
-    GateUpConcat(f"{_MT}.mlp.linear_fc1.weight", (f"{MTP}.mlp.gate_proj.weight", f"{MTP}.mlp.up_proj.weight")),
-    Rename(f"{_MT}.mlp.linear_fc2.weight", (f"{MTP}.mlp.down_proj.weight",)),
-    Rename(f"{_ML}.final_layernorm.weight", (f"{MTP}.final_layernorm.weight",)),
+MILES_RULES: tuple[Copy, ...] = (
+    Copy("embedding.word_embeddings.weight", f"{TEXT}.embed.weight", vocab=True),
+    Copy("embedding.embed_norm.weight", f"{TEXT}.embed_norm.weight"),
+    Copy("{L}.attn_res_query", f"{TEXT}.attn_res.attn_queries.{{layer}}"),  # the row carries the index shift
+    Copy("{L}.mlp_res_query", f"{TEXT}.attn_res.mlp_queries.{{layer}}", site="mlp"),
+    Copy(f"{_SA}.linear_qkv.layer_norm_weight", f"{_R}.attn_norm.weight"),
+    *(Copy(f"{_SA}.{p}_input_norm.weight", f"{_R}.{p}_input_norm.weight") for p in "qkv"),
+    *_qkvr(),
+    Copy(f"{_SA}.linear_gate.weight", f"{_A}.gate_attn.weight"),
+    Copy(f"{_SA}.sink_proj.weight", f"{_A}.attn_sink_proj.weight"),
+    Copy(f"{_SA}.linear_proj.weight", f"{_A}.wo_ud.weight"),
+    Copy(f"{_SA}.q_scale", f"{_A}.q_l2_clip.scale"),
+    Copy(f"{_SA}.rel_scale", f"{_A}.rel_l2_clip.scale"),
+    Copy(f"{_SA}.rel_proj", f"{_A}.rel_logits_proj.proj"),
+    *(Copy(f"{_SA}.{p}_sconv.weight", f"{_A}.{p}_sconv.weight") for p in "kv"),
+    *(Copy(f"{_SA}.{p}_sconv.static_weight", f"{_A}.{p}_sconv.static_w") for p in "kv"),
+    *(Copy(f"{_SA}.{p}_sconv.weight_proj.weight", f"{_A}.{p}_sconv.weight_proj") for p in "kv"),
+    Copy(f"{_SA}.attn_sconv.weight", f"{_R}.attn_sconv.weight"),
+    Copy("{L}.pre_mlp_layernorm.weight", f"{_R}.mlp_norm.weight", site="mlp"),
+    Copy("{L}.mlp.router.weight", f"{_R}.mlp.gate.weight", site="mlp"),
+    Copy("{L}.mlp.router.expert_bias", f"{_R}.mlp.gate.bias", site="mlp"),
+    Copy("{L}.mlp.mlp_sconv.weight", f"{_R}.mlp_sconv.weight", site="mlp"),
+    Experts("{L}.mlp.experts.experts.linear_fc1.weight", f"{EXPERTS}.w13_weight"),
+    Experts("{L}.mlp.experts.experts.linear_fc2.weight", f"{EXPERTS}.w2_weight"),
+    Copy("decoder.final_layernorm.weight", f"{TEXT}.norm.weight"),
+    Copy("decoder.output_res_query", f"{TEXT}.attn_res.output_query"),
+    Copy("output_layer.weight", f"{TEXT}.unembed.weight", vocab=True),
 )
 
-# TE modules that carry ``_extra_state``: linears, attention, and (TE 2.x op-based) norms. A
-# superset is harmless — Megatron ignores checkpoint keys nobody requests — while a missing one
-# fails its default load (shared/reference/megatron.md §2.6, §6.3).
-EXTRA_STATE_MODULES: tuple[str, ...] = (
-    "decoder.final_layernorm",
-    f"{_DL}.self_attention.linear_qkv", f"{_DL}.self_attention.linear_gate", f"{_DL}.self_attention.linear_proj",
-    f"{_DL}.self_attention.core_attention", f"{_DL}.pre_mlp_layernorm",
-    f"{_DL}.attn_residual.norm", f"{_DL}.mlp_residual.norm",
-    f"{_MT}.self_attention.linear_qkv", f"{_MT}.self_attention.linear_gate", f"{_MT}.self_attention.linear_proj",
-    f"{_MT}.self_attention.core_attention", f"{_MT}.mlp.linear_fc1", f"{_MT}.mlp.linear_fc2",
-    f"{_ML}.eh_proj", f"{_ML}.enorm", f"{_ML}.hnorm", f"{_ML}.final_layernorm",
-)
-EXPERT_EXTRA_STATE_MODULES: tuple[str, ...] = (
-    f"{_DL}.mlp.experts.experts.linear_fc1", f"{_DL}.mlp.experts.experts.linear_fc2",
+_FULL_ONLY = frozenset({FULL})
+
+#: TE modules with ``_extra_state`` (linears, attention, norms). A superset is harmless: Megatron
+#: ignores stored objects nobody requests, while a missing one fails its default load
+#: (shared/reference/megatron.md §2.6).
+MILES_EXTRA_STATE: tuple[ExtraState, ...] = (
+    ExtraState("embedding.embed_norm", site=None),
+    ExtraState("decoder.final_layernorm", site=None),
+    ExtraState(f"{_SA}.linear_qkv"),
+    ExtraState(f"{_SA}.linear_gate"),
+    ExtraState(f"{_SA}.linear_proj"),
+    ExtraState(f"{_SA}.core_attention"),
+    *(ExtraState(f"{_SA}.{p}_input_norm", kinds=_FULL_ONLY) for p in "qkv"),
+    ExtraState("{L}.pre_mlp_layernorm", site="mlp"),
+    ExtraState("{L}.mlp.experts.experts.linear_fc1", site="mlp", per_expert=True),
+    ExtraState("{L}.mlp.experts.experts.linear_fc2", site="mlp", per_expert=True),
 )
 
+MILES = Preset("miles", MILES_RULES, MILES_EXTRA_STATE)
 
-# ---- the expanded mapping -------------------------------------------------------------------
+#: Megatron-Core HybridModel (Megatron-Bridge's documented Inkling 2 shape): decoder block i is
+#: hybrid layer 2i (attention, with its residual query) and 2i+1 (MoE, with the MLP's residual
+#: query and pre-MLP norm); the stack's final norm is MambaStack's ``final_norm``. Attention
+#: sub-names are not public yet, so Miles' are kept (INFERRED, reference megatron-inkling2.md §8).
+BRIDGE = MILES.renamed("bridge", {"decoder.final_layernorm.weight": "decoder.final_norm.weight"},
+                       sites={"attn": (2, 0), "mlp": (2, 1)})
+BRIDGE = replace(BRIDGE, extra_state=tuple(
+    replace(x, module="decoder.final_norm") if x.module == "decoder.final_layernorm" else x for x in BRIDGE.extra_state))
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (MILES, BRIDGE)}
+DEFAULT_PRESET = "miles"
+
+
+def get_preset(name: str | Preset) -> Preset:
+    if isinstance(name, Preset):
+        return name
+    p = PRESETS.get(name)
+    if p is None:
+        raise ConfigError(f"unknown Megatron key preset {name!r}; known: {', '.join(PRESETS)}")
+    return p
+
+
+# ---- the expanded mapping -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One Megatron key of a config: its rule and loop index."""
+    """One Megatron tensor key of a config and the release tensor it holds."""
 
     key: str
-    rule: Rule
-    idx: Mapping[str, int]
+    hf: str  # the release tensor (stacked experts: the logical weight, ``…w13_weight``)
+    rule: Copy
+    layer: int | None  # the decoder layer (None: global)
     shape: tuple[int, ...]
-
-    @property
-    def unit(self) -> str:
-        """The conversion unit the key belongs to: ``layer.N``, ``mtp.N`` or ``global``."""
-        if not self.idx:
-            return "global"
-        (loop, i), = self.idx.items()
-        return f"{loop}.{i}"
+    dtype: torch.dtype
 
     @property
     def stacked(self) -> bool:
-        return isinstance(self.rule, StackedExperts)
+        return isinstance(self.rule, Experts)
+
+    @property
+    def unit(self) -> str:
+        """The conversion unit: ``global`` or ``layer.N`` (N the decoder layer)."""
+        return "global" if self.layer is None else f"layer.{self.layer}"
+
+    def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """How the tensor is stored: (offsets, sizes) per chunk; one per expert when stacked."""
+        if self.stacked:
+            e, r, c = self.shape
+            return [((i, 0, 0), (1, r, c)) for i in range(e)]
+        return [((0,) * len(self.shape), self.shape)]
+
+
+@dataclass(frozen=True)
+class ObjectEntry:
+    """One ``_extra_state`` object (Megatron ``ShardedObject.unique_key``) and its unit."""
+
+    key: str
+    unit: str
 
 
 @dataclass(frozen=True)
 class Coverage:
-    """HF names no rule consumes, and names some rule needs that a source lacks."""
+    """Names no rule uses (``unused``) and names the rules need that are absent (``missing``)."""
 
-    unconsumed: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.unconsumed and not self.missing
+        return not self.unused and not self.missing
+
+    def raise_for(self, where: str, what: str) -> None:
+        """CheckpointError naming the first unused / missing name (and how many more)."""
+        for names, why in ((self.unused, f"no {what} rule uses"), (self.missing, "missing")):
+            if names:
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise CheckpointError(f"{where}: {why} {names[0]}{more}")
 
 
-class InklingMapping:
-    """The HF ⇄ Megatron mapping of one Inkling 2 config.
+class MegatronMapping:
+    """The release ⇄ torch_dist mapping of one config under one preset.
 
     Args:
         cfg: the text model config.
-        vocab_rows: rows of the stored embedding / output layer (default ``cfg.vocab_size``).
-        pad_vocab_to_multiple: alternatively, pad the vocabulary to a multiple of this.
+        preset: a :class:`Preset` or its name (default ``miles``).
+        dtypes: stored dtypes of non-expert release tensors, by name (a source's own, kept as
+            they are); others use the inventory's. Routed experts are always BF16.
 
     Raises:
-        ConfigError: when the table and the config's tensor inventory disagree.
+        ConfigError: when the table and the release inventory disagree either way.
     """
 
-    def __init__(self, cfg: InklingConfig, *, vocab_rows: int | None = None, pad_vocab_to_multiple: int | None = None,
-                 rules: Sequence[Rule] = RULES):
+    def __init__(self, cfg: InklingConfig, preset: str | Preset = DEFAULT_PRESET,
+                 dtypes: Mapping[str, torch.dtype] | None = None):
         self.cfg = cfg
-        if pad_vocab_to_multiple is not None:
-            if pad_vocab_to_multiple <= 0:
-                raise ConfigError(f"--pad-vocab-to-multiple must be positive, got {pad_vocab_to_multiple}")
-            m = pad_vocab_to_multiple
-            vocab_rows = -(-cfg.vocab_size // m) * m
-        self.vocab_rows = cfg.vocab_size if vocab_rows is None else vocab_rows
-        if self.vocab_rows < cfg.vocab_size:
-            raise ConfigError(f"vocab_rows {self.vocab_rows} is smaller than vocab_size {cfg.vocab_size}")
-        self.rules = tuple(rules)
+        self.preset = get_preset(preset)
+        dt = dict(dtypes or {})
         entries: dict[str, Entry] = {}
-        for rule in self.rules:
-            for idx in self._indices(rule):
-                key = rule.megatron.format(**idx)
+        by_hf: dict[str, str] = {}
+        for rule in self.preset.rules:
+            row = rule.row
+            if isinstance(rule, Experts) != (row.scope is Scope.EXPERTS):
+                raise ConfigError(f"preset {self.preset.name}: {rule.key} maps {row.pattern} with the wrong rule type")
+            if row.scope is Scope.GLOBAL:
+                if "{L}" in rule.key:
+                    raise ConfigError(f"preset {self.preset.name}: global tensor {row.pattern} under a layer key {rule.key}")
+                places = [None]
+            else:
+                if "{L}" not in rule.key:
+                    raise ConfigError(f"preset {self.preset.name}: per-layer tensor {row.pattern} under a global key {rule.key}")
+                places = [i for i in range(cfg.num_hidden_layers) if row.exists_on(cfg, i)]
+            for layer in places:
+                key = rule.key if layer is None else rule.key.replace("{L}", self.preset.layer_prefix_of(rule.site, layer))
+                hf = row.name(layer)
                 if key in entries:
-                    raise ConfigError(f"mapping: two rules produce {key}")
-                entries[key] = Entry(key, rule, idx, rule.shape(cfg, self.vocab_rows))
-        # Unit-major order (globals, layer 0, layer 1, …, MTP), table order within a unit.
-        order = {k: (_unit_order(e.unit), i) for i, (k, e) in enumerate(entries.items())}
+                    raise ConfigError(f"preset {self.preset.name}: {key} is produced twice ({entries[key].hf}, {hf})")
+                if hf in by_hf:
+                    raise ConfigError(f"preset {self.preset.name}: {hf} maps to {by_hf[hf]} and {key}")
+                shape = row.shape_on(cfg, layer)
+                dtype = BF16 if isinstance(rule, Experts) else dt.get(hf, row.dtype)
+                entries[key] = Entry(key, hf, rule, layer, shape, dtype)
+                by_hf[hf] = key
+        # Unit-major order (globals, layer 0, layer 1, …), table order within a unit.
+        order = {k: (-1 if e.layer is None else e.layer, i) for i, (k, e) in enumerate(entries.items())}
         self._entries = dict(sorted(entries.items(), key=lambda kv: order[kv[0]]))
-        entries = self._entries
-        self._hf_to_key: dict[str, str] = {}
-        for key, e in entries.items():
-            for name in e.rule.hf_names(cfg, e.idx):
-                if name in self._hf_to_key:
-                    raise ConfigError(f"mapping: {name} is consumed by {self._hf_to_key[name]} and {key}")
-                self._hf_to_key[name] = key
-        cov = self.coverage(self.expected_hf_names())
+        self._by_hf = by_hf
+        cov = self.hf_coverage(self.release_names())
         if not cov.ok:
-            what = (f"no rule consumes {cov.unconsumed[0]}" if cov.unconsumed
-                    else f"a rule needs {cov.missing[0]}, which the model table does not hold")
-            raise ConfigError(f"mapping table disagrees with the Inkling 2 tensor table: {what}")
+            what = (f"no rule maps release tensor {cov.unused[0]}" if cov.unused
+                    else f"a rule maps {cov.missing[0]}, which the release inventory does not hold")
+            raise ConfigError(f"preset {self.preset.name} disagrees with the Inkling 2 inventory: {what}")
 
-    def _indices(self, rule: Rule) -> list[dict[str, int]]:
-        loop = rule.loop
-        if loop is None:
-            return [{}]
-        if loop == "mtp":
-            return [{"mtp": k} for k in range(self.cfg.num_nextn_predict_layers)]
-        layers = range(self.cfg.num_hidden_layers)
-        if rule.only == _FULL:
-            layers = [i for i in layers if self.cfg.is_full_attention(i)]
-        return [{"layer": i} for i in layers]
-
-    # ---- names and shapes
-
-    def megatron_keys(self) -> list[str]:
-        """Every tensor key of the torch_dist checkpoint, in table order (``_extra_state`` excluded)."""
-        return list(self._entries)
-
-    def megatron_shape(self, key: str) -> tuple[int, ...]:
-        return self.entry(key).shape
-
-    def megatron_dtype(self, key: str) -> torch.dtype:
-        return self.entry(key).rule.dtype
-
-    def entry(self, key: str) -> Entry:
-        e = self._entries.get(key)
-        if e is None:
-            raise CheckpointError(f"{key} is not a Megatron key of Inkling 2 under this config")
-        return e
-
-    def rule_for(self, key: str) -> Rule:
-        return self.entry(key).rule
+    # ---- names, shapes, chunks
 
     def entries(self) -> list[Entry]:
         return list(self._entries.values())
 
-    def chunks(self, key: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """(offsets, sizes) of each stored chunk: one per expert for stacked experts, else one."""
-        return self.entry(key).rule.chunks(self.cfg, self.vocab_rows)
+    def keys(self) -> list[str]:
+        """Every tensor key of the checkpoint in unit order (``_extra_state`` objects excluded)."""
+        return list(self._entries)
 
-    def hf_inputs(self, key: str) -> list[str]:
-        """The HF (logical) tensor names a key is built from."""
-        e = self.entry(key)
-        return e.rule.hf_names(self.cfg, e.idx)
+    def entry(self, key: str) -> Entry:
+        e = self._entries.get(key)
+        if e is None:
+            raise CheckpointError(f"{key} is not a Megatron key of Inkling 2 under preset {self.preset.name}")
+        return e
 
-    def key_for_hf(self, name: str) -> str:
-        """The Megatron key that consumes an HF (logical) tensor name."""
-        key = self._hf_to_key.get(name)
+    def entry_for_hf(self, name: str) -> Entry:
+        """The entry holding release tensor ``name`` (stacked experts: the logical weight name)."""
+        key = self._by_hf.get(name)
         if key is None:
-            raise CheckpointError(f"{name}: no Megatron rule consumes this tensor")
-        return key
-
-    def extra_state_keys(self) -> list[str]:
-        """Unique keys of the ``_extra_state`` objects (Megatron ``ShardedObject.unique_key`` form)."""
-        out: list[str] = []
-        E = self.cfg.n_routed_experts
-        counts = {"layer": self.cfg.num_hidden_layers, "mtp": self.cfg.num_nextn_predict_layers}
-        for pat in EXTRA_STATE_MODULES:
-            loop = next(iter(_fields(pat)), None)
-            for i in range(counts[loop]) if loop else [None]:
-                module = pat.format(**{loop: i}) if loop else pat
-                out.append(f"{module}._extra_state/shard_0_1")
-        for pat in EXPERT_EXTRA_STATE_MODULES:
-            for i in range(self.cfg.num_hidden_layers):
-                out.extend(f"{pat.format(layer=i)}._extra_state/shard_{e}_{E}" for e in range(E))
-        return out
-
-    # ---- coverage
-
-    def expected_hf_names(self) -> list[str]:
-        """The logical HF text tensors of the config (experts as ``….weight``, vision excluded)."""
-        plan = PrecisionPlan.uniform("bf16", self.cfg.num_hidden_layers)
-        return [s.name for s in inventory(self.cfg, plan) if s.row.scope is not Scope.VISION_BLOCK
-                and not s.name.startswith("model.visual.")]
-
-    def coverage(self, hf_names: Iterable[str]) -> Coverage:
-        """Which of ``hf_names`` no rule consumes, and which rule inputs are not among them."""
-        names = set(hf_names)
-        unconsumed = sorted(n for n in names if n not in self._hf_to_key)
-        missing = [n for n in self._hf_to_key if n not in names]
-        return Coverage(unconsumed, missing)
-
-    def check_source(self, hf_names: Iterable[str], where: str) -> None:
-        """Raise CheckpointError when a source holds a text tensor no rule consumes, or lacks one."""
-        cov = self.coverage(hf_names)
-        if cov.unconsumed:
-            more = f" (and {len(cov.unconsumed) - 1} more)" if len(cov.unconsumed) > 1 else ""
-            raise CheckpointError(f"{where}: no Megatron rule consumes {cov.unconsumed[0]}{more}")
-        if cov.missing:
-            more = f" (and {len(cov.missing) - 1} more)" if len(cov.missing) > 1 else ""
-            raise CheckpointError(f"{where}: missing {cov.missing[0]}{more}")
-
-    # ---- transforms
-
-    def to_megatron(self, key: str, get_hf: GetHF) -> torch.Tensor:
-        """Build one whole Megatron tensor from HF logical tensors (``get_hf(name)``)."""
-        e = self.entry(key)
-        if e.stacked:
-            return e.rule.build(self.cfg, e.idx, get_hf, (0, 0, 0), e.shape, self.vocab_rows)
-        return self._checked(e, e.rule.build(self.cfg, e.idx, get_hf, (), (), self.vocab_rows), e.shape)
-
-    def build_chunk(self, key: str, offsets: Sequence[int], sizes: Sequence[int], get_hf: GetHF) -> torch.Tensor:
-        """Build one stored chunk (one of :meth:`chunks`) of a Megatron tensor."""
-        e = self.entry(key)
-        t = e.rule.build(self.cfg, e.idx, get_hf, offsets, sizes, self.vocab_rows)
-        return self._checked(e, t, tuple(sizes))
-
-    def _checked(self, e: Entry, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{e.key}: built {list(t.shape)}, expected {list(shape)} (HF inputs {self.hf_inputs(e.key)[:3]})")
-        if t.dtype != e.rule.dtype:
-            raise CheckpointError(f"{e.key}: HF inputs are {t.dtype}, Megatron stores {e.rule.dtype}")
-        return t
-
-    def to_hf(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A whole Megatron tensor → its HF logical tensors (experts: one ``….weight`` per expert)."""
-        e = self.entry(key)
-        want = e.shape
-        if e.rule.__class__ is VocabRows:
-            ok = tensor.dim() == 2 and tensor.shape[1] == want[1]
-        else:
-            ok = tuple(tensor.shape) == want
-        if not ok:
-            hint = " (an EP rank's local experts: use experts_to_hf)" if e.stacked else ""
-            raise CheckpointError(f"{key}: got {list(tensor.shape)}, expected {list(want)}{hint}")
-        return e.rule.split(self.cfg, e.idx, tensor)
-
-    def experts_to_hf(self, key: str, tensor: torch.Tensor, expert_offset: int) -> dict[str, torch.Tensor]:
-        """An EP rank's local experts ``[E_local, …]`` (global ids from ``expert_offset``) → HF."""
-        e = self.entry(key)
-        if not e.stacked:
-            raise CheckpointError(f"{key} is not a stacked-experts key")
-        n = tensor.shape[0] if tensor.dim() == 3 else -1
-        if tensor.dim() != 3 or tuple(tensor.shape[1:]) != e.shape[1:] or expert_offset < 0 \
-                or expert_offset + n > e.shape[0]:
-            raise CheckpointError(
-                f"{key}: local experts {list(tensor.shape)} at offset {expert_offset} do not fit {list(e.shape)}"
-            )
-        return e.rule.split(self.cfg, e.idx, tensor, expert_offset)  # type: ignore[call-arg]
+            raise CheckpointError(f"{name}: no Megatron rule of preset {self.preset.name} maps this tensor")
+        return self._entries[key]
 
     @cached_property
     def units(self) -> list[str]:
-        """Conversion units in order: ``global``, ``layer.0`` …, ``mtp.0`` …"""
-        seen: dict[str, None] = {}
-        for e in self._entries.values():
-            seen.setdefault(e.unit, None)
-        return sorted(seen, key=_unit_order)
+        """Conversion units in order: ``global``, ``layer.0``, …"""
+        return ["global"] + [f"layer.{i}" for i in range(self.cfg.num_hidden_layers)]
+
+    def extra_state(self) -> list[ObjectEntry]:
+        """Every ``_extra_state`` object (unique key form ``<module>._extra_state/shard_<off>_<shape>``)."""
+        out: list[ObjectEntry] = []
+        E = self.cfg.n_routed_experts
+        for x in self.preset.extra_state:
+            if x.site is None:
+                out.append(ObjectEntry(f"{x.module}._extra_state/shard_0_1", "global"))
+                continue
+            for i in range(self.cfg.num_hidden_layers):
+                if self.cfg.layer_kind(i) not in x.kinds:
+                    continue
+                module = x.module.replace("{L}", self.preset.layer_prefix_of(x.site, i))
+                shards = [f"shard_{e}_{E}" for e in range(E)] if x.per_expert else ["shard_0_1"]
+                out.extend(ObjectEntry(f"{module}._extra_state/{s}", f"layer.{i}") for s in shards)
+        return out
+
+    # ---- coverage, both directions
+
+    def release_names(self) -> list[str]:
+        """The release text tensors of the config (stacked experts by their weight's name)."""
+        plan = PrecisionPlan.uniform("bf16", self.cfg.num_hidden_layers)
+        return [s.name for s in inventory(self.cfg, plan, vision=[])]
+
+    def hf_coverage(self, names: Iterable[str]) -> Coverage:
+        """Stored release names (expert parts, vision allowed) against the rules' release tensors."""
+        logical: dict[str, None] = {}
+        for n in names:
+            if is_vision(n):
+                continue  # passed through by prefix; not in the Megatron checkpoint
+            m = match_name(n)
+            logical[n[: len(n) - len(m.part)] if m is not None and m.part else n] = None
+        unused = sorted(n for n in logical if n not in self._by_hf)
+        missing = [n for n in self._by_hf if n not in logical]
+        return Coverage(unused, missing)
+
+    def megatron_coverage(self, keys: Iterable[str]) -> Coverage:
+        """Stored torch_dist tensor keys against the rules' keys (training state skipped)."""
+        have = {k for k in keys if not k.startswith(SKIPPED_PREFIXES)}
+        return Coverage(sorted(have - set(self._entries)), [k for k in self._entries if k not in have])
+
+    def check_hf(self, names: Iterable[str], where: str) -> None:
+        self.hf_coverage(names).raise_for(where, "Megatron")
+
+    def check_megatron(self, keys: Iterable[str], where: str) -> None:
+        self.megatron_coverage(keys).raise_for(where, f"preset {self.preset.name}")
+
+    # ---- transforms
+
+    def to_megatron(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A release tensor (experts: BF16, any leading slice) → its Megatron form."""
+        e = self.entry(key)
+        want = e.shape if not e.stacked else (t.shape[0], *e.shape[1:])
+        if tuple(t.shape) != tuple(want) or t.dtype != e.dtype:
+            raise CheckpointError(f"{e.hf}: {t.dtype} {list(t.shape)} does not fit {key} ({e.dtype} {list(want)})")
+        return e.rule.to_megatron(t)
+
+    def to_hf(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """A Megatron tensor (experts: any leading slice) → the release tensor (before encoding)."""
+        e = self.entry(key)
+        if e.rule.vocab and t.dim() == 2 and t.shape[1] == e.shape[1] and t.shape[0] > e.shape[0]:
+            t = t[: e.shape[0]]  # a Megatron-padded vocabulary: rows past the release's are dropped
+        want = e.shape if not e.stacked else (t.shape[0], *e.shape[1:])
+        if tuple(t.shape) != tuple(want):
+            raise CheckpointError(f"{key}: {list(t.shape)}, the reference config says {list(want)}")
+        return e.rule.to_hf(t)
 
 
-def _unit_order(unit: str) -> tuple[int, int]:
-    if unit == "global":
-        return (0, 0)
-    loop, i = unit.split(".")
-    return (1 if loop == "layer" else 2, int(i))
-
-
-def unit_of_key(key: str) -> str:
-    """The conversion unit of any key (tensor or ``_extra_state``)."""
-    m = re.match(r"(decoder\.layers|mtp\.layers)\.(\d+)\.", key)
-    if not m:
-        return "global"
-    return ("layer." if m.group(1) == "decoder.layers" else "mtp.") + m.group(2)
+def stored_shape_ok(e: Entry, shape: Sequence[int]) -> bool:
+    """Whether a stored Megatron tensor of ``shape`` fits ``e`` (vocabulary keys may be padded)."""
+    shape = tuple(shape)
+    if e.rule.vocab:
+        return len(shape) == 2 and shape[1] == e.shape[1] and shape[0] >= e.shape[0]
+    return shape == e.shape
 
 
 __all__ = [
-    "InklingMapping", "Rule", "Rename", "VocabRows", "QKVInterleave", "GateUpConcat", "StackedExperts",
-    "RULES", "Entry", "Coverage", "unit_of_key",
+    "Copy", "Experts", "ExtraState", "Preset", "MILES", "BRIDGE", "PRESETS", "DEFAULT_PRESET", "get_preset",
+    "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok",
 ]
