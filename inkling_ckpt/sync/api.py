@@ -40,6 +40,19 @@ EXPERT_NAME_FORMS: dict[str, str] = {
 }
 
 
+def expert_param_name(key: str, form: str, local: int | None = None) -> str:
+    """The trainer's name for a stacked-expert checkpoint ``key`` in ``form`` (local expert ``local``)."""
+    pattern = EXPERT_NAME_FORMS.get(form)
+    if pattern is None:
+        raise PlanError(f"unknown expert name form {form!r}; known: {', '.join(EXPERT_NAME_FORMS)}")
+    module, sep, sub = key.rpartition(".experts.")
+    if not sep:
+        raise PlanError(f"expert key {key} has no '.experts.' module")
+    if form != "stacked" and local is None:
+        raise PlanError(f"expert name form {form!r} names one expert: give its local index")
+    return pattern.format(module=module, leaf=sub, e=local)
+
+
 @dataclass
 class LoadGroup:
     """Tensors the engine must receive together: one Megatron key's release tensor, or one layer's
@@ -166,16 +179,12 @@ class WeightSync:
                 continue
             leaf = "fc1" if self.stacks[e.hf].fused else "fc2"
             self._expert_entries[(e.layer, leaf)] = e
-            module, sep, sub = e.key.rpartition(".experts.")
-            if not sep:
-                raise PlanError(f"preset {self.mapping.preset.name}: expert key {e.key} has no '.experts.' module")
-            for form, pattern in EXPERT_NAME_FORMS.items():
+            for form in EXPERT_NAME_FORMS:
                 if form == "stacked":
-                    self._expert_names[pattern.format(module=module, leaf=sub)] = _ExpertName(e.layer, leaf, None)
+                    self._expert_names[expert_param_name(e.key, form)] = _ExpertName(e.layer, leaf, None)
                     continue
                 for j in range(cfg.n_routed_experts):
-                    name = pattern.format(module=module, leaf=sub, e=j)
-                    self._expert_names[name] = _ExpertName(e.layer, leaf, j)
+                    self._expert_names[expert_param_name(e.key, form, j)] = _ExpertName(e.layer, leaf, j)
         self._batched_cache: dict = {}
 
     @classmethod
