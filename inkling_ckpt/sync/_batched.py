@@ -1,8 +1,8 @@
 """A layer's stacked routed experts (or an EP slice) through the fused GPU kernels in a few launches.
 
 The reference is :class:`~inkling_ckpt.convert.experts.ExpertEncoder` (``encode_stacked`` plus
-``reuse_unchanged_blocks``); this path takes the same interleaved [n, R, C] slice, one kernel
-group per expert (gate and up share the expert's NVFP4 amax because they are one group), and
+``reuse_unchanged_blocks``) on the interleaved slice; this path takes the trainer's slice as it
+is (fc1 rows [gate; up] per expert), one kernel group per expert (gate and up share the expert's NVFP4 amax because they are one group), and
 gives the same bytes (tests/test_sync.py checks it against the reference path). ``keep`` compares
 with the reference's blocks through the reference's own ``reuse_unchanged_blocks`` on the device
 (its NVFP4 decode order is the release's, which the decode kernel's is not). Anything the
@@ -20,6 +20,7 @@ from ..formats._base import FLOAT_INPUTS
 from ..formats.nvfp4 import MIN_GLOBAL_AMAX
 from ..formats.stacked import AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT
 from ..model.inventory import ExpertStack
+from ..model.mapping import Entry
 
 
 def batched_ok(x: torch.Tensor) -> bool:
@@ -35,8 +36,29 @@ def _ref_rows(sync, stack: ExpertStack, part: str, first: int, last: int, device
     return sync.reference.read_rows(stack.name + part, first, last).to(device)
 
 
-def encode_stack(sync, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
-    """The release parts of experts ``first:first+n`` of ``stack`` from BF16/F16/F32 ``x`` [n, R, C], or None."""
+def _ref_blocks(sync, entry: Entry, stack: ExpertStack, first: int, last: int, device) -> dict[str, torch.Tensor]:
+    """The reference's weight and block scales of the slice, rows in Megatron order."""
+    return {p: entry.rule.to_megatron(_ref_rows(sync, stack, p, first, last, device)) for p in (WEIGHT, SCALE)}
+
+
+def encode_stack(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The release parts of experts ``first:first+n`` of ``stack`` from ``x`` [n, R, C] in Megatron form, or None.
+
+    The mapping rule's row transform (fc1's [gate; up] -> interleaved rows) commutes with
+    encoding, which is row by row under one global factor per expert, so it is applied to the
+    encoded rows and block scales (a quarter to a half of the BF16 bytes), and inverted on the
+    reference's rows for ``keep``.
+    """
+    parts = _encode_rows(sync, entry, stack, first, x)
+    if parts is None:
+        return None
+    out = dict(parts)
+    out[WEIGHT] = entry.rule.to_hf(parts[WEIGHT])
+    out[SCALE] = entry.rule.to_hf(parts[SCALE])
+    return out
+
+
+def _encode_rows(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
     ops = gpu._load()
     n, r, c = x.shape
     g = x.contiguous().view(n, r * c)
@@ -59,8 +81,7 @@ def encode_stack(sync, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[
         parts = {WEIGHT: w.view(n, r, c // 2), SCALE: sc.view(n, r, c // 16), AMAX: amax.contiguous(),
                  DENOM: torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=x.device)}
         if keep:
-            ref = {WEIGHT: _ref_rows(sync, stack, WEIGHT, first, first + n, x.device),
-                   SCALE: _ref_rows(sync, stack, SCALE, first, first + n, x.device),
+            ref = {**_ref_blocks(sync, entry, stack, first, first + n, x.device),
                    AMAX: kept, DENOM: sync.reference.get(stack.name + DENOM).to(x.device)}
             parts = reuse_unchanged_blocks("nvfp4", x, parts, ref)
         return parts
@@ -70,8 +91,7 @@ def encode_stack(sync, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[
             return None
         parts = {WEIGHT: q.view(n, r, c), SCALE: sc.view(n, r, c // 32)}
         if keep:
-            ref = {WEIGHT: _ref_rows(sync, stack, WEIGHT, first, first + n, x.device),
-                   SCALE: _ref_rows(sync, stack, SCALE, first, first + n, x.device)}
+            ref = _ref_blocks(sync, entry, stack, first, first + n, x.device)
             parts = reuse_unchanged_blocks("mxfp8", x, parts, ref)
         return parts
     return None

@@ -324,8 +324,7 @@ class WeightSync:
         for leaf in ("fc1", "fc2"):
             entry = self._expert_entries[(layer, leaf)]
             stack = self.stacks[entry.hf]
-            x = self.mapping.to_hf(entry.key, xs[leaf])  # fc1: [gate; up] per expert -> interleaved rows
-            parts = self._encode(stack, offset, x)
+            parts = self._encode(entry, stack, offset, xs[leaf])
             for spec in stack.parts():
                 t = parts[spec.part]  # type: ignore[index]
                 tensors.append((spec.name, self._checked(spec.name, t, None if spec.shape == () else n)))
@@ -350,14 +349,19 @@ class WeightSync:
                                   f"(expert 0: {first.dtype}{list(first.shape)})")
         return torch.stack([single[j] for j in range(n)])
 
-    def _encode(self, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode(self, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Experts ``first:first+n`` in Megatron form -> the release parts of ``stack``."""
         if self.use_kernels and stack.fmt != "bf16":
             from ._batched import batched_ok, encode_stack
 
             if batched_ok(x):
-                parts = encode_stack(self, stack, first, x)
+                want = (x.shape[0], *entry.shape[1:])
+                if tuple(x.shape) != want:
+                    raise CheckpointError(f"{entry.key}: {list(x.shape)}, the reference config says {list(want)}")
+                parts = encode_stack(self, entry, stack, first, x)
                 if parts is not None:
                     return parts
+        x = self.mapping.to_hf(entry.key, x)  # fc1: [gate; up] per expert -> interleaved rows
         return self._encoder_for(x.device).encode(stack, first, x)
 
     def _encoder_for(self, device: torch.device) -> ExpertEncoder:
