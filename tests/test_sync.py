@@ -244,6 +244,18 @@ def test_errors(served, megatron_tensors):
         list(sync.groups([per[0], (FC2.format(i=0), d[FC2.format(i=0)])]))
 
 
+def test_nonfinite_input_names_the_expert(served, megatron_tensors):
+    from inkling_ckpt.errors import NonFiniteError
+
+    pairs = [(k, t.clone()) for k, t in megatron_tensors if ".layers.0.mlp.experts." in k]
+    dict(pairs)[FC1.format(i=0)][3, 5, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"layers\.0\.mlp\.experts\.w13_weight\[expert 3\]"):
+        _emit(WeightSync.from_checkpoint(served, scales="fresh"), pairs)
+    got = dict(_emit(WeightSync.from_checkpoint(served, scales="fresh", allow_nonfinite=True), pairs))
+    amax = got["model.llm.layers.0.mlp.experts.w13_weight_amax"]
+    assert bool(torch.isfinite(amax).all())  # the finite values' amax
+
+
 def test_verify_reports_differences(served, megatron_tensors):
     sync = WeightSync.from_checkpoint(served, scales="keep")
     pairs = _emit(sync, megatron_tensors)
@@ -327,7 +339,7 @@ def test_gpu_nonfinite_falls_back_and_raises(served, megatron_tensors):
 
     pairs = [(k, t.clone().to(dev)) for k, t in megatron_tensors if ".layers.0.mlp.experts." in k]
     dict(pairs)[FC1.format(i=0)][3, 5, 7] = float("nan")
-    with pytest.raises(NonFiniteError, match="w13_weight"):
+    with pytest.raises(NonFiniteError, match=r"w13_weight\[expert 3\]"):
         _emit(WeightSync.from_checkpoint(served, scales="fresh"), pairs)
     got = dict(_emit(WeightSync.from_checkpoint(served, scales="fresh", allow_nonfinite=True), pairs))
     ref = dict(_emit(WeightSync.from_checkpoint(served, scales="fresh", allow_nonfinite=True, use_kernels=False),
