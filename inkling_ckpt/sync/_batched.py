@@ -38,7 +38,7 @@ def _ref_rows(sync, stack: ExpertStack, part: str, first: int, last: int, device
 
 def _ref_blocks(sync, entry: Entry, stack: ExpertStack, first: int, last: int, device) -> dict[str, torch.Tensor]:
     """The reference's weight and block scales of the slice, rows in Megatron order."""
-    return {p: entry.rule.to_megatron(_ref_rows(sync, stack, p, first, last, device)) for p in (WEIGHT, SCALE)}
+    return {p: _rows(entry.rule.to_megatron, _ref_rows(sync, stack, p, first, last, device)) for p in (WEIGHT, SCALE)}
 
 
 def encode_stack(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
@@ -53,9 +53,19 @@ def encode_stack(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Te
     if parts is None:
         return None
     out = dict(parts)
-    out[WEIGHT] = entry.rule.to_hf(parts[WEIGHT])
-    out[SCALE] = entry.rule.to_hf(parts[SCALE])
+    out[WEIGHT] = _rows(entry.rule.to_hf, parts[WEIGHT])
+    out[SCALE] = _rows(entry.rule.to_hf, parts[SCALE])
     return out
+
+
+def _rows(transform, t: torch.Tensor) -> torch.Tensor:
+    """A row transform (dims 0 and 1) applied with each row viewed as the widest integers that
+    tile it: one-byte elements would make torch's strided copies several times slower."""
+    nbytes = t.shape[-1] * t.element_size()
+    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if nbytes % dt.itemsize == 0 and t.is_contiguous():
+            return transform(t.view(torch.uint8).view(dt)).view(torch.uint8).view(t.dtype)
+    return transform(t)
 
 
 def _encode_rows(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
