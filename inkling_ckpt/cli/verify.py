@@ -14,7 +14,10 @@ from .app import app
 
 _HELP = "\n\n".join([
     'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
-    ('A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model. Routed '
+    ('A and B are checkpoints of the same model in any layout the toolkit writes, detected from the folder: HF '
+     '(BF16, mixed, MXFP8, NVFP4), sharded (inkling-ckpt shard) or Megatron torch_dist (convert hf-to-megatron; '
+     'read back through the key mapping as release tensors, routed experts BF16, no vision tower: vision tensors '
+     'only one side holds are listed as not compared). Routed '
      'experts are decoded per stacked tensor (a layer\'s w13 / w2) to float32; other tensors are compared as stored. Per tensor, per '
      'layer and per format: bit-exact elements, max abs error, relative RMSE sqrt(sum e^2 / sum a^2), SQNR '
      '10*log10(sum a^2 / sum e^2); worst tensors first.'),
@@ -34,9 +37,11 @@ def verify_cmd(
     min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", help="Fail (exit 1) if any tensor is below this SQNR (dB)."),
     exact: bool = typer.Option(False, "--exact", help="Fail (exit 1) unless every tensor is bit-exact."),
     top: int = typer.Option(15, "--top", help="Worst tensors to list in the table."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Model config.json (or a folder holding one) for a "
+                                          "torch_dist side not written by inkling-ckpt; default: the other side's."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
-    rep = build_report(compare(a, b, progress=not quiet), min_sqnr=min_sqnr, exact=exact)
+    rep = build_report(compare(a, b, progress=not quiet, config=config), min_sqnr=min_sqnr, exact=exact)
     if plot is not None:
         plot_report(rep, plot)
     typer.echo(json.dumps(rep, indent=2) if as_json else render_report(rep, top=top))

@@ -34,8 +34,8 @@ from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
 from ..layouts.hf import DTYPE_TO_ST, HFWriter
 from ..layouts.megatron import (
-    RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir,
-    write_dcp, write_tracker,
+    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
+    finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
 from ..layouts.staging import Staging
 from ..model.inventory import expert_stacks, inventory, is_vision
@@ -203,7 +203,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     written = True
                     finish_iteration_dir(Path(st.path) / RELEASE, common_state(
                         inkling={"version": __version__, "preset": m.preset.name, "vocab_size": src.cfg.vocab_size,
-                                 "source_plan": str(src.plan)}))
+                                 "source_plan": str(src.plan), CONFIG_KEY: stored_config(src.config)}))
                     write_tracker(Path(st.path))
         except BaseException as e:
             if written:

@@ -81,6 +81,8 @@ def resolve_source(source: str | Path) -> Path:
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
+    layout = "hf"
+
     def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan,
                  tensors: dict[str, StoredTensor]):
         self.root = root
@@ -199,6 +201,10 @@ class HFCheckpoint:
         return {p.name: p.read_bytes() for p in sorted(self.root.iterdir())
                 if p.is_file() and p.name not in _OWN_FILES and not p.name.endswith(".safetensors")
                 and not p.name.startswith(".")}
+
+    def storage(self) -> dict[str, Any]:
+        """How the folder stores the tensors (for ``inspect``)."""
+        return {"layout": self.layout, "files": len({t.file for t in self.tensors.values()})}
 
     def describe(self) -> dict[str, Any]:
         """What identifies this source for resume fingerprints: its tensor layout and file sizes."""
