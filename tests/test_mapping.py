@@ -1,125 +1,231 @@
-"""The HF ⇄ Megatron mapping table: coverage, shapes, transforms both ways."""
+"""The release ⇄ torch_dist preset tables: coverage both ways, the spec's keys, transforms both ways.
+
+The values are checked against transformers' own Inkling 2 module (the oracle): what a Megatron
+key holds must equal the parameter transformers builds from the release tensor — in particular
+``linear_fc1`` equals transformers' de-interleaved ``gate_up_proj``.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
+from conftest import FIXTURES, TINY
 from inkling_ckpt.errors import CheckpointError, ConfigError
 from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.model.config import InklingConfig
-from inkling_ckpt.model.mapping import RULES, InklingMapping, QKVInterleave, Rename, StackedExperts
-from inkling_ckpt.model.presets import preset_config
+from inkling_ckpt.model.inventory import EXPERTS, TEXT
+from inkling_ckpt.model.mapping import (
+    BRIDGE, MILES, PRESETS, Copy, Experts, MegatronMapping, Preset, get_preset,
+)
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FULL = InklingConfig.from_file(FIXTURES / "full-size" / "config.json")
 
 
 @pytest.fixture(scope="module")
 def bf16() -> HFCheckpoint:
-    return HFCheckpoint.open(FIXTURES / "tiny-bf16")
+    return HFCheckpoint.open(TINY["bf16"])
 
 
-@pytest.mark.parametrize("size", ["tiny", "small", "wide", "full"])
-def test_table_covers_every_text_tensor(size: str) -> None:
-    cfg = InklingConfig.from_dict(preset_config(size))
-    m = InklingMapping(cfg)  # raises if the table and the inventory disagree either way
-    assert m.coverage(m.expected_hf_names()).ok
-    keys = m.megatron_keys()
-    assert len(keys) == len(set(keys))
-    assert not any(k.startswith("model.") for k in keys)
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("where", ["tiny", "full"])
+def test_every_release_tensor_maps_to_exactly_one_key(preset, where, bf16):
+    cfg = bf16.cfg if where == "tiny" else FULL
+    m = MegatronMapping(cfg, preset)  # raises ConfigError if the table and the inventory disagree
+    names = m.release_names()
+    assert sorted(e.hf for e in m.entries()) == sorted(names)  # a bijection: one key per release tensor
+    assert len(set(m.keys())) == len(m.keys()) == len(names)
+    assert not any(k.startswith("model.") for k in m.keys())
+    assert m.hf_coverage(names).ok and m.megatron_coverage(m.keys()).ok
+    for key in m.keys():
+        assert m.entry_for_hf(m.entry(key).hf).key == key
 
 
-def test_full_model_shapes() -> None:
-    cfg = InklingConfig.from_dict(preset_config("full"))
-    m = InklingMapping(cfg)
-    assert m.megatron_shape("decoder.layers.0.self_attention.linear_qkv.weight") == ((48 + 2 * 8) * 128, 4608)
-    assert m.megatron_shape("decoder.layers.7.mlp.experts.experts.linear_fc1.weight") == (384, 2 * 2304, 4608)
-    assert m.megatron_shape("decoder.layers.7.mlp.experts.experts.linear_fc2.weight") == (384, 4608, 2304)
-    assert m.megatron_dtype("decoder.layers.7.mlp.router.expert_bias") == torch.float32
-    assert m.megatron_shape("embedding.word_embeddings.weight") == (201024, 4608)
-    assert len(m.chunks("decoder.layers.7.mlp.experts.experts.linear_fc1.weight")) == 384
-    # K/V convolutions: full-attention layers only (every fourth), and the MTP layer.
-    assert "decoder.layers.3.self_attention.k_conv.weight" in m.megatron_keys()
-    assert "decoder.layers.2.self_attention.k_conv.weight" not in m.megatron_keys()
-    assert "mtp.layers.0.transformer_layer.self_attention.k_conv.weight" in m.megatron_keys()
-    padded = InklingMapping(cfg, pad_vocab_to_multiple=128 * 8)
-    assert padded.megatron_shape("output_layer.weight") == (201728, 4608)
+def test_full_size_keys_follow_the_spec():
+    m = MegatronMapping(FULL)
+    keys = set(m.keys())
+    # attn_res: layer i >= 1 holds attn_queries.{i-1}; [H] on sliding layers, [3, H] on full ones.
+    assert "decoder.layers.0.attn_res_query" not in keys
+    assert m.entry("decoder.layers.1.attn_res_query").hf == f"{TEXT}.attn_res.attn_queries.0"
+    assert m.entry("decoder.layers.5.attn_res_query").shape == (3, 4608)
+    assert m.entry("decoder.layers.4.attn_res_query").shape == (4608,)
+    assert m.entry("decoder.layers.47.mlp_res_query").hf == f"{TEXT}.attn_res.mlp_queries.47"
+    assert m.entry("decoder.output_res_query").hf == f"{TEXT}.attn_res.output_query"
+    # q/k/v/r as four sub-keys, global shapes; sliding layers use the swa_* sizes (equal here).
+    assert m.entry("decoder.layers.0.self_attention.linear_qkv.weight.q").shape == (48 * 128, 4608)
+    assert m.entry("decoder.layers.0.self_attention.linear_qkv.weight.k").shape == (8 * 128, 4608)
+    assert m.entry("decoder.layers.0.self_attention.linear_qkv.weight.r").shape == (48 * 16, 4608)
+    # Sliding vs full layers.
+    assert "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.5.self_attention.linear_qkv.layer_norm_weight" not in keys
+    assert {f"decoder.layers.5.self_attention.{p}_input_norm.weight" for p in "qkv"} <= keys
+    assert m.entry("decoder.layers.0.self_attention.k_sconv.weight").shape == (1024, 1, 4)
+    assert m.entry("decoder.layers.11.self_attention.v_sconv.static_weight").shape == (4, 1024)
+    assert m.entry("decoder.layers.11.self_attention.k_sconv.weight_proj.weight").shape == (32, 4608)
+    assert "decoder.layers.10.self_attention.k_sconv.static_weight" not in keys
+    assert m.entry("decoder.layers.5.self_attention.rel_proj").shape == (16, 1024)
+    # Experts: BF16, stacked, the double "experts", one chunk per expert.
+    fc1 = m.entry("decoder.layers.7.mlp.experts.experts.linear_fc1.weight")
+    assert fc1.shape == (384, 2 * 2304, 4608) and fc1.dtype == torch.bfloat16 and fc1.hf == f"{EXPERTS}.w13_weight".format(layer=7)
+    assert len(fc1.chunks()) == 384 and fc1.chunks()[3] == ((3, 0, 0), (1, 4608, 4608))
+    assert m.entry("decoder.layers.7.mlp.experts.experts.linear_fc2.weight").shape == (384, 4608, 2304)
+    # Fresh dtypes where no source says otherwise; a source's own dtypes win.
+    assert m.entry("decoder.layers.0.mlp.router.expert_bias").dtype == torch.float32
+    f32 = MegatronMapping(FULL, dtypes={f"{TEXT}.embed.weight": torch.float32})
+    assert f32.entry("embedding.word_embeddings.weight").dtype == torch.float32
+    assert m.entry("embedding.word_embeddings.weight").shape == (201024, 4608)  # padded rows stored as they are
+    # 1,514 release tensors = the text ones here plus the vision tower's.
+    assert len(m.keys()) == 1092
+    objs = m.extra_state()
+    assert len({o.key for o in objs}) == len(objs)
+    assert "decoder.layers.3.mlp.experts.experts.linear_fc2._extra_state/shard_383_384" in {o.key for o in objs}
+    assert "decoder.layers.5.self_attention.q_input_norm._extra_state/shard_0_1" in {o.key for o in objs}
+    assert "decoder.layers.4.self_attention.q_input_norm._extra_state/shard_0_1" not in {o.key for o in objs}
 
 
-def test_round_trip_every_key(bf16: HFCheckpoint) -> None:
-    m = InklingMapping(bf16.cfg)
-    seen = set()
-    for key in m.megatron_keys():
-        t = m.to_megatron(key, bf16.get)
-        assert tuple(t.shape) == m.megatron_shape(key) and t.dtype == m.megatron_dtype(key)
-        back = m.to_hf(key, t)
-        assert set(back) == set(m.hf_inputs(key))
-        for name, v in back.items():
-            assert torch.equal(v, bf16.get(name)), name
-        seen |= set(back)
-    assert seen == set(m.expected_hf_names())
+def test_bridge_preset_places_attention_at_2i_and_moe_at_2i_plus_1():
+    m = MegatronMapping(FULL, "bridge")
+    miles = MegatronMapping(FULL, "miles")
+    assert m.entry("decoder.layers.10.attn_res_query").hf == f"{TEXT}.attn_res.attn_queries.4"
+    assert m.entry("decoder.layers.10.self_attention.linear_qkv.weight.q").hf == f"{TEXT}.layers.5.attn.wq_du.weight"
+    assert m.entry("decoder.layers.11.mlp_res_query").hf == f"{TEXT}.attn_res.mlp_queries.5"
+    assert m.entry("decoder.layers.11.mlp.experts.experts.linear_fc1.weight").hf == f"{TEXT}.layers.5.mlp.experts.w13_weight"
+    assert m.entry("decoder.layers.11.pre_mlp_layernorm.weight").layer == 5
+    assert m.entry("decoder.final_norm.weight").hf == f"{TEXT}.norm.weight"
+    assert sorted(e.hf for e in m.entries()) == sorted(e.hf for e in miles.entries())
+    assert max(int(k.split(".")[2]) for k in m.keys() if k.startswith("decoder.layers.")) == 95
+    assert all(o.unit == "layer.5" for o in m.extra_state() if o.key.startswith(("decoder.layers.10.", "decoder.layers.11.")))
 
 
-def test_qkv_is_interleaved_by_query_group(bf16: HFCheckpoint) -> None:
-    cfg = bf16.cfg  # 8 heads, 2 KV heads, head_dim 32: 4 q heads per group
-    m = InklingMapping(cfg)
-    L = "model.language_model.layers.1.self_attn"
-    qkv = m.to_megatron("decoder.layers.1.self_attention.linear_qkv.weight", bf16.get)
-    q, k, v = bf16.get(f"{L}.q_proj.weight"), bf16.get(f"{L}.k_proj.weight"), bf16.get(f"{L}.v_proj.weight")
-    d, per = 32, 4
-    group = (per + 2) * d
-    for g in range(2):
-        blk = qkv[g * group:(g + 1) * group]
-        assert torch.equal(blk[: per * d], q[g * per * d:(g + 1) * per * d])
-        assert torch.equal(blk[per * d: per * d + d], k[g * d:(g + 1) * d])
-        assert torch.equal(blk[per * d + d:], v[g * d:(g + 1) * d])
+def test_a_preset_is_data(bf16):
+    """A new preset is a table: renamed keys and other sites, no pipeline change; broken tables are refused."""
+    mini = MILES.renamed("mini", {"output_layer.weight": "lm_head.weight"}, sites={"attn": (3, 1), "mlp": (3, 2)})
+    m = MegatronMapping(bf16.cfg, mini)
+    assert m.entry("lm_head.weight").hf == f"{TEXT}.unembed.weight"
+    assert m.entry("decoder.layers.4.self_attention.linear_proj.weight").layer == 1
+    assert m.entry("decoder.layers.5.mlp.router.weight").layer == 1
+    dropped = Preset("dropped", tuple(r for r in MILES.rules if r.key != "{L}.mlp.router.expert_bias"), MILES.extra_state)
+    with pytest.raises(ConfigError, match=r"no rule maps release tensor model\.llm\.layers\.0\.mlp\.gate\.bias"):
+        MegatronMapping(bf16.cfg, dropped)
+    twice = Preset("twice", MILES.rules + (Copy("decoder.extra", f"{TEXT}.norm.weight"),), MILES.extra_state)
+    with pytest.raises(ConfigError, match="maps to decoder.final_layernorm.weight and decoder.extra"):
+        MegatronMapping(bf16.cfg, twice)
+    clash = Preset("clash", tuple(replace(r, key="{L}.x") if r.key == "{L}.mlp_res_query" else r for r in MILES.rules)
+                   + (Copy("{L}.x", f"{TEXT}.layers.{{layer}}.mlp_norm.weight", site="mlp"),), MILES.extra_state)
+    with pytest.raises(ConfigError, match="produced twice"):
+        MegatronMapping(bf16.cfg, clash)
+    with pytest.raises(ConfigError, match="not a row of the release inventory"):
+        MegatronMapping(bf16.cfg, Preset("bad", (Copy("x", "model.llm.nope.weight"),), ()))
+    with pytest.raises(ConfigError, match="wrong rule type"):
+        MegatronMapping(bf16.cfg, Preset("bad", (Copy("{L}.w", f"{EXPERTS}.w2_weight"),), ()))
+    with pytest.raises(ConfigError, match="unknown Megatron key preset"):
+        get_preset("nemo")
 
 
-def test_fc1_is_gate_then_up_per_expert(bf16: HFCheckpoint) -> None:
-    m = InklingMapping(bf16.cfg)
-    key = "decoder.layers.2.mlp.experts.experts.linear_fc1.weight"
-    (off, size), = [c for c in m.chunks(key) if c[0][0] == 5]
-    chunk = m.build_chunk(key, off, size, bf16.get)
-    E = "model.language_model.layers.2.mlp.experts.5"
-    assert torch.equal(chunk[0], torch.cat([bf16.get(f"{E}.gate_proj.weight"), bf16.get(f"{E}.up_proj.weight")]))
-    # An EP rank's local slice maps back to global expert ids.
-    out = m.experts_to_hf(key, chunk, expert_offset=5)
-    assert set(out) == {f"{E}.gate_proj.weight", f"{E}.up_proj.weight"}
-    with pytest.raises(CheckpointError):
-        m.experts_to_hf(key, chunk, expert_offset=8)
-    with pytest.raises(CheckpointError, match="experts_to_hf"):
-        m.to_hf(key, chunk)
+def test_unused_and_missing_names_are_reported_both_ways(bf16):
+    m = MegatronMapping(bf16.cfg)
+    names = list(bf16.tensors) + ["model.llm.layers.0.attn.extra.weight"]
+    names.remove(f"{TEXT}.layers.2.mlp_sconv.weight")
+    cov = m.hf_coverage(names)
+    assert cov.unused == ["model.llm.layers.0.attn.extra.weight"]
+    assert cov.missing == [f"{TEXT}.layers.2.mlp_sconv.weight"]
+    with pytest.raises(CheckpointError, match=r"src: no Megatron rule uses model\.llm\.layers\.0\.attn\.extra\.weight"):
+        m.check_hf(names, "src")
+    # Quantized expert parts count for their stacked weight; vision tensors are passed through.
+    mixed = HFCheckpoint.open(TINY["mixed"])
+    assert MegatronMapping(mixed.cfg).hf_coverage(mixed.tensors).ok
+    keys = m.keys() + ["decoder.layers.9.mlp.router.weight", "optimizer.state.exp_avg.x", "rng_state"]
+    keys.remove("decoder.output_res_query")
+    cov = m.megatron_coverage(keys)
+    assert cov.unused == ["decoder.layers.9.mlp.router.weight"] and cov.missing == ["decoder.output_res_query"]
+    with pytest.raises(CheckpointError, match="no preset miles rule uses decoder.layers.9.mlp.router.weight"):
+        m.check_megatron(keys, "ckpt")
 
 
-def test_vocab_padding_is_stripped(bf16: HFCheckpoint) -> None:
-    m = InklingMapping(bf16.cfg, pad_vocab_to_multiple=384)
-    t = m.to_megatron("output_layer.weight", bf16.get)
-    assert t.shape[0] == 768 and not t[512:].any()
-    back = m.to_hf("output_layer.weight", t)["lm_head.weight"]
-    assert torch.equal(back, bf16.get("lm_head.weight"))
-    with pytest.raises(CheckpointError, match="vocabulary rows"):
-        m.to_hf("output_layer.weight", t[:500])
+_TF_NAMES = {  # miles key (decoder layer {i}) -> transformers 5.24 module parameter; independent of our tables
+    "embedding.word_embeddings.weight": "model.language_model.embed_tokens.weight",
+    "embedding.embed_norm.weight": "model.language_model.embed_tokens.embed_norm.weight",
+    "decoder.final_layernorm.weight": "model.language_model.norm.weight",
+    "decoder.output_res_query": "model.language_model.final_input.query",
+    "output_layer.weight": "lm_head.weight",
+    "L.attn_res_query": "I.attention_input.query",
+    "L.mlp_res_query": "I.mlp_input.query",
+    "L.self_attention.linear_qkv.layer_norm_weight": "I.input_layernorm.weight",
+    "L.self_attention.q_input_norm.weight": "I.q_input_layernorm.weight",
+    "L.self_attention.k_input_norm.weight": "I.k_input_layernorm.weight",
+    "L.self_attention.v_input_norm.weight": "I.v_input_layernorm.weight",
+    "L.self_attention.linear_qkv.weight.q": "I.self_attn.q_proj.linear.weight",
+    "L.self_attention.linear_qkv.weight.k": "I.self_attn.k_proj.linear.weight",
+    "L.self_attention.linear_qkv.weight.v": "I.self_attn.v_proj.linear.weight",
+    "L.self_attention.linear_qkv.weight.r": "I.self_attn.relative_position_bias.linear.weight",
+    "L.self_attention.linear_gate.weight": "I.self_attn.o_proj.gate_proj.weight",
+    "L.self_attention.sink_proj.weight": "I.self_attn.sink_proj.weight",
+    "L.self_attention.linear_proj.weight": "I.self_attn.o_proj.linear.weight",
+    "L.self_attention.q_scale": "I.self_attn.q_proj.norm.scale",
+    "L.self_attention.rel_scale": "I.self_attn.relative_position_bias.norm.scale",
+    "L.self_attention.rel_proj": "I.self_attn.relative_position_bias.proj",
+    "L.self_attention.k_sconv.weight": "I.self_attn.k_proj.sconv.conv1d.weight",
+    "L.self_attention.v_sconv.weight": "I.self_attn.v_proj.sconv.conv1d.weight",
+    "L.self_attention.k_sconv.static_weight": "I.self_attn.k_proj.sconv.static_weight",
+    "L.self_attention.v_sconv.static_weight": "I.self_attn.v_proj.sconv.static_weight",
+    "L.self_attention.k_sconv.weight_proj.weight": "I.self_attn.k_proj.sconv.weight_proj.weight",
+    "L.self_attention.v_sconv.weight_proj.weight": "I.self_attn.v_proj.sconv.weight_proj.weight",
+    "L.self_attention.attn_sconv.weight": "I.post_attention_convolution.conv1d.weight",
+    "L.pre_mlp_layernorm.weight": "I.post_attention_layernorm.weight",
+    "L.mlp.router.weight": "I.mlp.gate.weight",
+    "L.mlp.router.expert_bias": "I.mlp.gate.e_score_correction_bias",
+    "L.mlp.mlp_sconv.weight": "I.post_mlp_convolution.conv1d.weight",
+    "L.mlp.experts.experts.linear_fc1.weight": "I.mlp.experts.gate_up_proj",
+    "L.mlp.experts.experts.linear_fc2.weight": "I.mlp.experts.down_proj",
+}
 
 
-def test_coverage_reports_unconsumed_and_missing(bf16: HFCheckpoint) -> None:
-    m = InklingMapping(bf16.cfg)
-    names = m.expected_hf_names()
-    cov = m.coverage(names[1:] + ["model.language_model.layers.0.mlp.shared_expert.weight"])
-    assert cov.unconsumed == ["model.language_model.layers.0.mlp.shared_expert.weight"]
-    assert cov.missing == [names[0]]
-    with pytest.raises(CheckpointError, match="no Megatron rule consumes"):
-        m.check_source(names + ["bogus.weight"], "src")
+def test_every_key_holds_what_transformers_builds(bf16):
+    """Differential: each Megatron tensor (from the release bytes through our table) equals the
+    parameter transformers' from_pretrained builds from the same checkpoint, bit for bit."""
+    from _tiny_tf import load
+
+    model, info = load(TINY["bf16"])
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    sd = model.state_dict()
+    m = MegatronMapping(bf16.cfg, dtypes=bf16.dtypes())
+    for e in m.entries():
+        key = re.sub(r"^decoder\.layers\.\d+\.", "L.", e.key)
+        tf = _TF_NAMES[key].replace("I.", f"model.language_model.layers.{e.layer}.")
+        ours = m.to_megatron(e.key, bf16.get(e.hf))
+        want = sd[tf]
+        if e.key == "output_layer.weight":  # transformers drops the zero padding rows
+            assert not ours[want.shape[0]:].any()
+            ours = ours[: want.shape[0]]
+        assert ours.dtype == want.dtype and torch.equal(ours.view(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), e.key
+        back = m.to_hf(e.key, m.to_megatron(e.key, bf16.get(e.hf)))
+        assert torch.equal(back.reshape(-1).view(torch.uint8), bf16.get(e.hf).reshape(-1).view(torch.uint8)), e.key
 
 
-def test_rules_check_their_wildcards() -> None:
-    with pytest.raises(ConfigError):
-        Rename("decoder.layers.{layer}.x.weight", ("model.language_model.x.weight",))
-    with pytest.raises(ConfigError):
-        StackedExperts("decoder.layers.{layer}.e.weight", ("model.language_model.layers.{layer}.e.weight",))
-    with pytest.raises(ConfigError):
-        QKVInterleave("decoder.layers.{layer}.{mtp}.w", ("a.{layer}", "b.{layer}", "c.{layer}"))
-    table = RULES[1:]  # drop the embedding rule: its HF tensor is then unconsumed
-    with pytest.raises(ConfigError, match="no rule consumes"):
-        InklingMapping(InklingConfig.from_dict(preset_config("tiny")), rules=table)
+@settings(max_examples=30, deadline=None)
+@given(e=st.integers(1, 4), f=st.integers(1, 6), c=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_experts_de_interleave_is_a_bit_exact_inverse(e, f, c, seed):
+    """fc1[e] = [gate rows; up rows] of w13[e] (rows gate0, up0, gate1, …), on any slice, any bits (NaN, -0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-2**15, 2**15, (e, 2 * f, c), generator=g, dtype=torch.int32).to(torch.int16)
+    w13 = bits.view(torch.bfloat16)
+    fused = next(r for r in MILES.rules if isinstance(r, Experts) and r.row.fused)
+    fc1 = fused.to_megatron(w13)
+    assert torch.equal(fc1[:, :f].view(torch.int16), w13[:, 0::2].view(torch.int16))
+    assert torch.equal(fc1[:, f:].view(torch.int16), w13[:, 1::2].view(torch.int16))
+    assert torch.equal(fused.to_hf(fc1).view(torch.int16), bits)
+
+
+def test_padded_megatron_vocabulary_is_cut_back(bf16):
+    m = MegatronMapping(bf16.cfg)
+    emb = bf16.get(f"{TEXT}.embed.weight")
+    padded = torch.cat([emb, torch.zeros(64, emb.shape[1], dtype=emb.dtype)])
+    assert torch.equal(m.to_hf("embedding.word_embeddings.weight", padded), emb)
+    with pytest.raises(CheckpointError, match="the reference config says"):
+        m.to_hf("embedding.word_embeddings.weight", emb[:-1])
+    with pytest.raises(CheckpointError, match="does not fit"):
+        m.to_megatron("decoder.layers.0.mlp.router.weight", bf16.get(f"{TEXT}.layers.0.mlp.gate.weight").bfloat16())
