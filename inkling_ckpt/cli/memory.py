@@ -7,6 +7,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Optional
 
+import torch
 import typer
 
 from ..errors import ConfigError, PlanError
@@ -15,7 +16,7 @@ from ..model.config import InklingConfig, read_json
 from ..model.inventory import inventory
 from ..model.precision import PrecisionPlan
 from ..model.presets import preset_plan
-from ..plan.memory import GPU_PRESETS, KV_DTYPES, memory_report, render_memory
+from ..plan.memory import GPU_PRESETS, KV_DTYPES, bare_config_dtypes, memory_report, render_memory
 from .app import app
 
 
@@ -26,27 +27,39 @@ class Variant(str, Enum):
     nvfp4 = "nvfp4"
 
 
+class EmbedDtype(str, Enum):
+    bf16 = "bf16"
+    f32 = "f32"
+
+
+_EMBED = {EmbedDtype.bf16: torch.bfloat16, EmbedDtype.f32: torch.float32}
+
 _HELP = "\n\n".join([
     'Bytes per GPU by category under --tp N --ep M, whether it fits, and the KV-cache pool.',
     ('CKPT_OR_CONFIG is a checkpoint folder (read from its headers only: no tensor data) or a bare '
      'config.json (or a folder holding only one) with --variant or --plan, so the full-size model can be '
-     'planned with no weights on disk. Categories: routed experts, attention, embeddings/head, router and '
-     "norms, MTP head, vision tower; 'replicated' is what other ranks hold too."),
+     'planned with no weights on disk. A bare config assumes BF16 for every non-expert tensor; '
+     '--embed-dtype f32 stores embed and unembed in F32 (what the release cookbook counts: +3.7 GB). '
+     "Categories: routed experts, attention, embeddings/head, router and norms, vision tower; "
+     "'replicated' is what other ranks hold too."),
     ("KV cache: K and V per attention layer for max(1, KV heads / tp) heads per rank; full-attention "
-     "layers (and the MTP head) keep every token, sliding-window layers one window per sequence. "
+     "layers keep every token, sliding-window layers (swa heads) one window per sequence. "
      "Pool = mem-fraction x GPU memory - the largest rank's weights. GPU presets (GB as sold): "
      + ", ".join(f"{k} {v}" for k, v in GPU_PRESETS.items()) + "."),
+    ("On the release config with a release plan (mixed = 0-39:nvfp4,40-47:mxfp8, or mxfp8) the report "
+     "compares its totals with the cookbook's and says where they differ and why."),
 ])
 
 
-def _load(source: str, variant: Optional[Variant], plan_text: Optional[str]):
+def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], embed: Optional[EmbedDtype]):
     p = Path(source)
     has_weights = p.is_dir() and ((p / INDEX).is_file() or any(p.glob("*.safetensors")))
     if has_weights:
-        if variant is not None or plan_text is not None:
-            raise PlanError(f"{source} holds weights: its precision plan is read from it (drop --variant/--plan)")
+        if variant is not None or plan_text is not None or embed is not None:
+            raise PlanError(f"{source} holds weights: its precision plan and dtypes are read from it "
+                            "(drop --variant/--plan/--embed-dtype)")
         ckpt = HFCheckpoint.open(p)  # validated against the tensor table from the headers
-        return ckpt.cfg, ckpt.plan, ckpt.expected(), str(ckpt.root)
+        return ckpt.cfg, ckpt.plan, ckpt.expected(), str(ckpt.root), "as stored (from the headers)"
     config_path = p / "config.json" if p.is_dir() else p
     if not config_path.is_file():
         raise ConfigError(f"{source}: neither a checkpoint folder nor a config.json")
@@ -61,7 +74,11 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str]):
     else:
         raise PlanError(f"{config_path} has no weights: say which checkpoint with --variant (bf16, mixed, mxfp8, "
                         f"nvfp4) or --plan (e.g. 0-39:nvfp4,40-47:mxfp8)")
-    return cfg, plan, inventory(cfg, plan), str(config_path)
+    e = embed or EmbedDtype.bf16
+    specs = inventory(cfg, plan, dtypes=bare_config_dtypes(inventory(cfg, plan), _EMBED[e]))
+    note = (f"assumed (bare config): every non-expert tensor BF16, embed/unembed {e.value.upper()}"
+            + ("" if e is EmbedDtype.f32 else "; --embed-dtype f32 for F32 embed/unembed"))
+    return cfg, plan, specs, str(config_path), note
 
 
 @app.command("memory", help=_HELP)
@@ -72,6 +89,8 @@ def memory_cmd(
     variant: Optional[Variant] = typer.Option(None, "--variant", help="With a bare config: which released variant "
                                               "(mixed = layers 0-39 NVFP4, 40-47 MXFP8 on the full model)."),
     plan_text: Optional[str] = typer.Option(None, "--plan", help="With a bare config: an explicit precision plan."),
+    embed_dtype: Optional[EmbedDtype] = typer.Option(None, "--embed-dtype", help="With a bare config: dtype of embed "
+                                                     "and unembed (default bf16; the cookbook's figures are f32)."),
     gpu: Optional[list[str]] = typer.Option(None, "--gpu", help="GPU preset(s) to check (default: all)."),
     gpu_memory: Optional[str] = typer.Option(None, "--gpu-memory", help="Exact GPU memory instead of a preset, e.g. 143771MiB."),
     mem_fraction: float = typer.Option(0.9, "--mem-fraction", help="Share of GPU memory for weights + KV cache."),
@@ -80,8 +99,8 @@ def memory_cmd(
                                           "(default min(max_position_embeddings, 131072))."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    cfg, plan, specs, where = _load(source, variant, plan_text)
-    rep = memory_report(cfg, plan, specs, tp, ep, source=where, gpus=gpu,
+    cfg, plan, specs, where, note = _load(source, variant, plan_text, embed_dtype)
+    rep = memory_report(cfg, plan, specs, tp, ep, source=where, dtypes_note=note, gpus=gpu,
                         gpu_bytes=parse_size(gpu_memory) if gpu_memory else None,
                         mem_fraction=mem_fraction, kv_dtype=kv_dtype, context=context)
     typer.echo(json.dumps(rep, indent=2) if as_json else render_memory(rep))

@@ -18,11 +18,14 @@ _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
     ("Each rank folder holds HF-named safetensors with that rank's local shapes and its own index; "
      "DST/inkling-shard.json records the plan, every tensor's split rule and global shape, expert "
-     'ownership and a sha256 per file. Query heads split over tp, KV heads too (replicated when tp > KV '
-     'heads), o_proj by columns, embed/lm_head by vocab rows, router/norms/vision replicated; EP rank r '
-     'owns experts [r*E/ep, (r+1)*E/ep) and moe_tp = tp/ep ranks share them (NVFP4 experts need moe_tp 1). '
-     'Rank r is EP rank r // moe_tp.'),
-    ('--dry-run prints the plan and per-rank bytes from the headers alone. --merge DST OUT rebuilds the '
+     "ownership and a sha256 per file. Query heads split over tp (wq_du, gate_attn, attn_sink_proj, wr_du, "
+     "the l2-clip scales; wo_ud by columns), KV heads too (wk_dv, wv_dv, the K/V short convolutions; "
+     "replicated when tp > KV heads), embed/unembed by vocab rows; router, norms, short convolutions, "
+     "attn_res queries and the vision tower are replicated. Stacked experts: EP rank r owns experts "
+     "[r*E/ep, (r+1)*E/ep) of dim 0 with every per-expert part (scales, _amax); moe_tp = tp/ep ranks share "
+     "them, w13 rows split in whole (gate, up) pairs and w2 by columns (NVFP4 layers need moe_tp 1). "
+     "Rank r is EP rank r // moe_tp."),
+    ('--dry-run prints the plan and per-rank bytes from the headers alone. --merge SRC DST rebuilds the '
      'original checkpoint byte for byte (checksums verified).'),
 ])
 

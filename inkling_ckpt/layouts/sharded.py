@@ -12,15 +12,19 @@ On disk (``inkling-ckpt shard SRC DST --tp N --ep M``)::
 Manifest (``format: inkling-ckpt/sharded``, ``version: 1``): ``plan`` (tp, ep, moe_tp),
 ``model`` (variant, precision plan), ``ranks`` (per rank: folder, EP rank, moe-TP rank, tensors,
 bytes), ``experts`` (EP rank -> [first, stop) experts and the TP ranks holding them), ``rules``
-(inventory row pattern -> split and dim), ``tensors`` (name -> global shape, dtype, split, stored
-dim cut or null, pieces, ``holders``: the piece each rank holds or null), ``source`` (each source
-file: bytes, sha256, and for shards the header copy) and ``files`` (every file under DST: bytes,
-sha256).
+(inventory row pattern -> split and dim), ``tensors`` (name -> global shape, local shape, dtype,
+split, stored dim cut or null, pieces, ``holders``: the piece each rank holds or null, and for
+stacked experts split over moe_tp too an ``inner`` cut {dim, pieces, holders} inside each EP
+piece), ``source`` (each source file: bytes, sha256, and for shards the header copy) and
+``files`` (every file under DST: bytes, sha256).
 
 Piece ``p`` of a tensor cut along ``dim`` into ``n`` pieces is the contiguous range
-``[p·size/n, (p+1)·size/n)``; a merge reads each piece from the lowest rank holding it,
-concatenates along ``dim`` and writes it at its original offset under the original header, then
-checks the file against the source's sha256.
+``[p·size/n, (p+1)·size/n)``. Stacked experts are EP-sliced on dim 0 (the expert axis); with
+moe_tp > 1, ``w13`` rows are then cut in whole interleaved (gate, up) pairs and ``w2`` columns,
+their block scales alike. Both ways tensors move in blocks of dim-0 rows (:data:`CHUNK_BYTES`):
+an EP slice of a layer's experts is never whole in memory. A merge reads each piece from the
+lowest rank holding it, concatenates and writes it at its original offset under the original
+header, then checks the file against the source's sha256.
 """
 
 from __future__ import annotations
@@ -34,19 +38,18 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from ..errors import CheckpointError, IntegrityError
 from ..model.config import InklingConfig, read_json
+from ..model.inventory import Category, TensorSpec, detect_plan, match_name, nbytes
 from ..model.precision import PrecisionPlan
-from ..model.quant_config import plan_from_quant_config
-from ..plan import ShardPlan
+from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import SPLITS
 from ..progress import ByteProgress
-from .hf import DTYPE_TO_ST, INDEX, QUANT_CONFIG, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
+from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 MANIFEST = "inkling-shard.json"
@@ -55,6 +58,11 @@ VERSION = 1
 SOURCE_DIR = "source"
 HEADERS_DIR = f"{SOURCE_DIR}/headers"
 _HASH_CHUNK = 16 << 20
+#: Tensors move in blocks of dim-0 rows of about this size (at least one row): one expert of a
+#: stacked [E, 2F, H] tensor is 21 MB in MXFP8 on the full model, the whole layer 8 GB.
+CHUNK_BYTES = 64 << 20
+#: Never passed through from a source folder (nothing that loads Inkling 2 reads it).
+QUANT_CONFIG = "hf_quant_config.json"
 
 
 def rank_dir(rank: int) -> str:
@@ -96,6 +104,25 @@ def raw_header(path: Path) -> RawHeader:
 def bytes_to_tensor(buf: bytearray, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
     return t.view(dtype).reshape(shape)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as uint8 of shape ``(*shape, itemsize)`` (slicing works alike for every dtype)."""
+    return t.contiguous().reshape(-1).view(torch.uint8).reshape(*t.shape, t.dtype.itemsize)
+
+
+def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`as_bytes`."""
+    return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[:-1])
+
+
+def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """``[start, stop)`` blocks of dim-0 rows of about ``limit`` bytes (a scalar is one block of one "row")."""
+    if not shape:
+        return [(0, 1)]
+    row = max(1, nbytes(shape[1:], dtype))
+    step = max(1, limit // row)
+    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
 
 
 def sha256_file(path: Path) -> str:
@@ -157,6 +184,43 @@ class _RankStaging:
             self.hasher.submit(f"{self.sub}/{rel}")
 
 
+class _RankWriter(HFWriter):
+    """An :class:`HFWriter` that also takes a tensor in blocks of dim-0 rows, so a rank's piece
+    of a stacked expert layer (or of ``embed``) is never whole in memory."""
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._rows_done: dict[str, int] = {}
+
+    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
+        spec = self.specs[name]
+        if not spec.shape or (start == 0 and tuple(rows.shape) == spec.shape):
+            self.write(name, rows)
+            return
+        stop = start + rows.shape[0]
+        if rows.dtype != spec.dtype or tuple(rows.shape[1:]) != spec.shape[1:] or stop > spec.shape[0]:
+            raise CheckpointError(f"writer: rows {start}:{stop} of {name} are {rows.dtype} {list(rows.shape)}, planned "
+                                  f"{spec.dtype} {list(spec.shape)}")
+        shard = self.shards[self.weight_map[name]]
+        if name not in shard.remaining:
+            return
+        if shard.fh is None:
+            shard.fh = open(self.staging.partial(shard.file), "wb")
+            shard.fh.write(shard.header)
+            shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
+        a, _ = shard.offsets[name]
+        shard.fh.seek(len(shard.header) + a + start * nbytes(spec.shape[1:], spec.dtype))
+        shard.fh.write(memoryview(as_bytes(rows).reshape(-1).numpy()))
+        done = self._rows_done.get(name, 0) + rows.shape[0]
+        self._rows_done[name] = done
+        if done == spec.shape[0]:  # blocks are disjoint: all rows are there
+            shard.remaining.discard(name)
+            if not shard.remaining:
+                shard.fh.close()
+                shard.fh = None
+                self.staging.finish(shard.file)
+
+
 # ---- shard --------------------------------------------------------------------------------
 
 @dataclass
@@ -213,14 +277,14 @@ def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[s
     writers = []
     for r in plan.parallel.ranks:
         local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
-        writers.append(HFWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
+        writers.append(_RankWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
     by_name = {p.name: p for p in plan.placements}
     total = sum(p.spec.nbytes for p in plan.placements)
     source_info: dict[str, dict[str, Any]] = {}
     with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
         try:
             for f in shards:
-                source_info[f] = _shard_file(ckpt.root / f, headers[f], by_name, writers, bar.advance)
+                source_info[f] = _shard_file(ckpt, f, headers[f], by_name, writers, bar.advance)
         finally:
             for w in writers:
                 w.abort()
@@ -244,16 +308,17 @@ def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[s
     result.written_bytes = sum(result.rank_bytes)
 
 
-def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWriter],
-                advance: Callable[[int], None]) -> dict[str, Any]:
-    """Stream one source shard in file order: hash every byte, hand each tensor's pieces to the ranks."""
+def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader, by_name: dict[str, Placement],
+                writers: list[_RankWriter], advance: Callable[[int], None]) -> dict[str, Any]:
+    """Stream one source shard in file order, in blocks of rows: hash every byte, hand each
+    block's part of every rank's piece to that rank."""
+    path = ckpt.root / file
     h = hashlib.sha256(header.blob)
     pos = header.data_start
-    # The hash of tensor i runs on a helper thread while tensor i is written (one in flight).
+    # The hash of block i runs on a helper thread while block i is written (one in flight).
     pool = ThreadPoolExecutor(max_workers=1)
     pending = None
     with open(path, "rb") as f, pool:
-        f.seek(pos)
         for name in header.in_offset_order():
             shape, dtype, a, b = header.entries[name]
             start = header.data_start + a
@@ -261,30 +326,47 @@ def _shard_file(path: Path, header: RawHeader, by_name: dict, writers: list[HFWr
                 if pending is not None:
                     pending.result()
                     pending = None
+                f.seek(pos)
                 h.update(f.read(start - pos))
-            buf = bytearray(b - a)
-            if f.readinto(buf) != len(buf):
-                raise CheckpointError(f"{path}: truncated inside {name}")
-            pos = header.data_start + b
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(h.update, buf)
             p = by_name[name]
-            t = bytes_to_tensor(buf, shape, dtype)
-            for rank, piece in enumerate(p.holders):
-                if piece is None or not writers[rank].needed(name):
-                    continue
-                if p.dim is None:
-                    writers[rank].write(name, t)
-                else:
-                    lo, hi = p.piece_range(piece)
-                    writers[rank].write(name, t.narrow(p.dim, lo, hi - lo).contiguous())
-            advance(b - a)
+            wanted = [r for r in p.ranks() if writers[r].needed(name)]
+            for r0, r1 in row_blocks(shape, dtype) if b > a else []:
+                block = as_bytes(ckpt.read_rows(name, r0, r1))
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, memoryview(block.reshape(-1).numpy()))
+                for rank in wanted:
+                    _hand_rows(p, rank, block, r0, r1, writers[rank])
+                advance(block.numel())
+            if b == a:  # an empty tensor has no rows to stream
+                for rank in wanted:
+                    writers[rank].write(name, torch.empty(p.local_shape, dtype=dtype))
+            pos = header.data_start + b
         if pending is not None:
             pending.result()
+        f.seek(pos)
         while chunk := f.read(_HASH_CHUNK):  # anything after the last tensor
             h.update(chunk)
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: _RankWriter) -> None:
+    """Give ``writer`` the part of global rows ``[r0, r1)`` (``block``, as bytes) in ``rank``'s piece."""
+    if not p.spec.shape:
+        writer.write(p.name, from_bytes(block, p.spec.dtype))
+        return
+    local_start = r0
+    for dim, lo, hi in p.region(p.holders[rank]):
+        if dim == 0:
+            a, b = max(r0, lo), min(r1, hi)
+            if a >= b:
+                return
+            block = block[a - r0:b - r0]
+            local_start = a - lo
+            r0 = a
+        else:
+            block = block.narrow(dim, lo, hi - lo)
+    writer.write_rows(p.name, local_start, from_bytes(block, p.spec.dtype))
 
 
 def _write_rank_index(writer: HFWriter, plan: ShardPlan, rank: int) -> None:
@@ -319,13 +401,38 @@ def build_manifest(ckpt: HFCheckpoint, plan: ShardPlan, source_info: dict[str, A
                    "tensors": counts[r], "bytes": rank_bytes[r]} for r in par.ranks],
         "experts": {str(e): v for e, v in plan.expert_ownership().items()},
         "rules": {pattern: {**rule.to_json(), "describe": rule.describe()} for pattern, rule in SPLITS.items()},
-        "tensors": {p.name: {"shape": list(p.spec.shape), "dtype": DTYPE_TO_ST[p.spec.dtype],
-                             "split": p.rule.split.value, "dim": p.dim, "pieces": p.pieces,
-                             "holders": list(p.holders), "source_file": where[p.name]}
-                    for p in plan.placements},
+        "tensors": {p.name: {**placement_entry(p), "source_file": where[p.name]} for p in plan.placements},
         "source": source_info,
         "files": files,
     }
+
+
+def placement_entry(p: Placement) -> dict[str, Any]:
+    """A placement as a manifest entry: the first cut as ``dim``/``pieces``/``holders`` (null dim:
+    uncut), a second (the moe-TP cut inside an EP piece) as ``inner``."""
+    def cut(i: int) -> dict[str, Any]:
+        c = p.cuts[i]
+        return {"dim": c.dim, "pieces": c.pieces, "holders": [None if h is None else h[i] for h in p.holders]}
+
+    entry: dict[str, Any] = {"shape": list(p.spec.shape), "local_shape": list(p.local_shape),
+                             "dtype": DTYPE_TO_ST[p.spec.dtype], "split": p.rule.split.value}
+    entry.update(cut(0) if p.cuts else {"dim": None, "pieces": 1, "holders": [None if h is None else 0 for h in p.holders]})
+    if len(p.cuts) > 1:
+        entry["inner"] = cut(1)
+    return entry
+
+
+def entry_cuts(t: dict[str, Any]) -> tuple[tuple[Cut, ...], tuple[tuple[int, ...] | None, ...]]:
+    """Inverse of :func:`placement_entry` (after :func:`_check_manifest` and :func:`_check_inner`)."""
+    if t["dim"] is None:
+        return (), tuple(None if h is None else () for h in t["holders"])
+    cuts = [Cut(t["dim"], t["pieces"])]
+    holders = [None if h is None else (h,) for h in t["holders"]]
+    inner = t.get("inner")
+    if inner is not None:
+        cuts.append(Cut(inner["dim"], inner["pieces"]))
+        holders = [None if h is None else h + (i,) for h, i in zip(holders, inner["holders"])]
+    return tuple(cuts), tuple(holders)
 
 
 def dump_manifest(manifest: dict[str, Any]) -> str:
@@ -344,17 +451,20 @@ def dump_manifest(manifest: dict[str, Any]) -> str:
 # ---- reading a sharded folder ---------------------------------------------------------------
 
 class ShardedCheckpoint:
-    """A sharded folder opened for reading: checks it, then hands out whole (global) tensors."""
+    """A sharded folder opened for reading: checks it, then hands out global tensors (whole, or
+    blocks of dim-0 rows read only from the ranks that hold them)."""
 
     def __init__(self, root: Path, manifest: dict[str, Any]):
         self.root = root
         self.manifest = manifest
         self.config = read_json(root / SOURCE_DIR / "config.json")
         self.cfg = InklingConfig.from_dict(self.config)
-        qpath = root / SOURCE_DIR / QUANT_CONFIG
-        self.plan: PrecisionPlan = plan_from_quant_config(
-            self.cfg, read_json(qpath) if qpath.is_file() else None, self.config.get("quantization_config"))
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
+        _check_inner(manifest, root / MANIFEST)
+        self.cuts = {name: entry_cuts(t) for name, t in self.tensors.items()}
+        # Each layer's expert format, read from the stored parts as for an HF checkpoint.
+        self.plan: PrecisionPlan = detect_plan(self.cfg, {n: ST_TO_DTYPE[t["dtype"]] for n, t in self.tensors.items()},
+                                               str(root))
         self._where: dict[tuple[int, str], tuple[str, int, int]] = {}  # (rank, name) -> file, start, stop
         self._fds: dict[str, int] = {}
 
@@ -394,36 +504,95 @@ class ShardedCheckpoint:
                 if piece is not None and (rank, name) not in self._where:
                     raise CheckpointError(f"{self.root / rank_dir(rank)}: missing {name}")
 
-    def _read(self, rank: int, name: str) -> bytes:
+    def _local_rows(self, rank: int, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of ``rank``'s piece of ``name``, as bytes (:func:`as_bytes` shape)."""
+        t = self.tensors[name]
+        dtype = ST_TO_DTYPE[t["dtype"]]
+        local = tuple(t["shape"])
+        for c in self.cuts[name][0]:
+            local = (*local[:c.dim], local[c.dim] // c.pieces, *local[c.dim + 1:])
         rel, a, b = self._where[(rank, name)]
+        if b - a != nbytes(local, dtype):
+            raise CheckpointError(f"{self.root / rel}: {name} holds {b - a} bytes, the manifest's local shape "
+                                  f"{list(local)} {t['dtype']} needs {nbytes(local, dtype)}")
+        row = nbytes(local[1:], dtype) if local else b - a
+        count = (stop - start) * row
         fd = self._fds.get(rel)
         if fd is None:
             fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
-        data = os.pread(fd, b - a, a)
-        if len(data) != b - a:
+        data = os.pread(fd, count, a + start * row)
+        if len(data) != count:
             raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
-        return data
+        shape = (stop - start, *local[1:]) if local else ()
+        return bytes_to_tensor(bytearray(data), (*shape, dtype.itemsize), torch.uint8)
+
+    def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Global rows ``[start, stop)`` of ``name`` as bytes, from the lowest rank holding each piece."""
+        cuts, holders = self.cuts[name]
+        shape = self.tensors[name]["shape"]
+        row_cut = next((i for i, c in enumerate(cuts) if c.dim == 0), None)
+        inner = [i for i, c in enumerate(cuts) if c.dim != 0]
+        out = []
+        for rp in range(cuts[row_cut].pieces) if row_cut is not None else [None]:
+            lo, hi = cuts[row_cut].bounds(shape[0], rp) if rp is not None else (0, shape[0] if shape else 1)
+            a, b = max(start, lo), min(stop, hi)
+            if a >= b:
+                continue
+
+            def assemble(k: int, piece: dict[int, int]) -> torch.Tensor:
+                # The last cut varies fastest: concatenate its pieces, then the enclosing cut's.
+                if k == len(inner):
+                    key = tuple(rp if i == row_cut else piece[i] for i in range(len(cuts)))
+                    return self._local_rows(holders.index(key), name, a - lo, b - lo)
+                i = inner[k]
+                return torch.cat([assemble(k + 1, {**piece, i: j}) for j in range(cuts[i].pieces)], dim=cuts[i].dim)
+
+            out.append(assemble(0, {}))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=0)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` (dim 0) of a global tensor, reading only the ranks' bytes they need:
+        an EP slice of a stacked expert comes from its EP rank alone."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.root}: no tensor {name}")
+        rows = t["shape"][0] if t["shape"] else 1
+        if not 0 <= start <= stop <= rows:
+            raise CheckpointError(f"{name}: rows {start}:{stop} outside its {rows} rows")
+        return from_bytes(self._rows(name, start, stop), ST_TO_DTYPE[t["dtype"]])
+
+    def iter_raw(self, name: str, limit: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The global tensor's bytes in blocks of dim-0 rows."""
+        t = self.tensors[name]
+        for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):
+            yield self._rows(name, a, b).numpy().tobytes()
 
     def raw(self, name: str) -> bytes:
         """The global tensor's bytes, reassembled from the lowest rank holding each piece."""
-        t = self.tensors[name]
-        holders, pieces, dim = t["holders"], t["pieces"], t["dim"]
-        parts = [self._read(holders.index(p), name) for p in range(pieces)]
-        if dim is None or dim == 0 or pieces == 1:
-            return b"".join(parts)
-        shape = t["shape"]
-        item = ST_TO_DTYPE[t["dtype"]].itemsize
-        local = list(shape)
-        local[dim] //= pieces
-        byte_shape = (*local[:-1], local[-1] * item)
-        arrays = [np.frombuffer(p, dtype=np.uint8).reshape(byte_shape) for p in parts]
-        return np.concatenate(arrays, axis=dim).tobytes()
+        return b"".join(self.iter_raw(name))
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
             raise CheckpointError(f"{self.root}: no tensor {name}")
         t = self.tensors[name]
-        return bytes_to_tensor(bytearray(self.raw(name)), tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]])
+        return self.read_rows(name, 0, t["shape"][0] if t["shape"] else 1)
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        """Stored dtype of every tensor."""
+        return {n: ST_TO_DTYPE[t["dtype"]] for n, t in self.tensors.items()}
+
+    def expected(self) -> list[TensorSpec]:
+        """The tensors of the source checkpoint, as :meth:`HFCheckpoint.expected` gives them."""
+        out = []
+        for name, t in self.tensors.items():
+            m = match_name(name)
+            shape, dtype = tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]]
+            if m is None:  # the vision tower, passed through by prefix
+                out.append(TensorSpec(name, shape, dtype, Category.VISION, None))
+            else:
+                fmt = self.plan.format_of(m.layer) if m.part is not None else None
+                out.append(TensorSpec(name, shape, dtype, m.row.category, m.row, layer=m.layer, fmt=fmt, part=m.part))
+        return out
 
     def extra_files(self) -> dict[str, bytes]:
         """The source's pass-through files (tokenizer, generation config, ...), as HFCheckpoint gives them."""
@@ -468,6 +637,28 @@ def _check_manifest(man: dict[str, Any], where: Path) -> None:
         if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info or ".." in Path(rel).parts \
                 or Path(rel).is_absolute():
             raise CheckpointError(f"{where}: damaged manifest: file entry {rel}")
+
+
+def _check_inner(man: dict[str, Any], where: Path) -> None:
+    """The second (moe-TP) cut of stacked experts: a cut of another dim that, with the first,
+    gives every rank one piece and covers every piece."""
+    tp = man["plan"]["tp"]
+    for name, t in man["tensors"].items():
+        inner = t.get("inner")
+        if inner is None:
+            continue
+        try:
+            dim, pieces, holders, shape = inner["dim"], inner["pieces"], inner["holders"], t["shape"]
+            ok = (type(dim) is int and type(pieces) is int and pieces >= 1 and isinstance(holders, list)
+                  and len(holders) == tp and 0 <= dim < len(shape) and dim != t["dim"] and shape[dim] % pieces == 0
+                  and all((h is None) == (o is None) and (h is None or (type(h) is int and 0 <= h < pieces))
+                          for h, o in zip(holders, t["holders"]))
+                  and {(o, h) for o, h in zip(t["holders"], holders) if o is not None}
+                  == {(o, h) for o in range(t["pieces"]) for h in range(pieces)})
+        except (KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise CheckpointError(f"{where}: damaged manifest: inner cut of {str(name)[:120]} is inconsistent")
 
 
 def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksums: bool = True,
@@ -555,13 +746,17 @@ def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st:
                 raise CheckpointError(f"{header_path}: {tname} does not follow the previous tensor; cannot rebuild")
             if tname not in sharded.tensors:
                 raise CheckpointError(f"{header_path}: {tname} is not in the manifest")
-            data = sharded.raw(tname)
-            if len(data) != b - a:
-                raise CheckpointError(f"{sharded.root}: {tname} reassembles to {len(data)} bytes, expected {b - a}")
-            if pending is not None:
-                pending.result()
-            pending = pool.submit(h.update, data)
-            f.write(data)
+            got = 0
+            for data in sharded.iter_raw(tname):
+                got += len(data)
+                if got > b - a:
+                    break
+                if pending is not None:
+                    pending.result()
+                pending = pool.submit(h.update, data)
+                f.write(data)
+            if got != b - a:
+                raise CheckpointError(f"{sharded.root}: {tname} reassembles to {got} bytes, expected {b - a}")
             pos = b
             advance(b - a)
         if pending is not None:
@@ -575,7 +770,7 @@ def describe_plan(plan: ShardPlan) -> dict[str, Any]:
     """The plan as JSON-ready data for ``--dry-run`` (no I/O)."""
     rules: dict[str, dict[str, Any]] = {}
     for p in plan.placements:
-        key = p.spec.row.pattern
+        key = p.spec.row.pattern if p.spec.row is not None else "model.visual.* (passed through)"
         if key not in rules:
             rules[key] = {**p.rule.to_json(), "describe": p.rule.describe(), "tensors": 0}
         rules[key]["tensors"] += 1

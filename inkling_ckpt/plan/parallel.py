@@ -3,30 +3,34 @@
 A plan is ``(tp, ep)``; ranks are numbered ``0..tp-1``. ``moe_tp = tp / ep`` ranks share each
 EP rank's experts: rank ``r`` is EP rank ``r // moe_tp`` and moe-TP rank ``r % moe_tp`` (the
 SGLang numbering, ``moe_ep_rank = tp_rank // (tp_size // ep_size)``). EP rank ``e`` owns the
-contiguous experts ``[e·E/ep, (e+1)·E/ep)`` (reference/peers.md §4.1).
+contiguous experts ``[e·E/ep, (e+1)·E/ep)``: a slice of dim 0 of every stacked expert tensor.
 
 :func:`validate` refuses a plan the model cannot take, with a one-line reason, before anything
-is read; :class:`ShardPlan` then places every tensor of an inventory: a :class:`Placement` says
-along which stored dimension the tensor is cut, into how many equal pieces, and which piece
-each rank holds (``None``: the rank does not hold it). Pieces are contiguous, in rank order, so
-concatenating them along the dimension gives the tensor back exactly.
+is read; :class:`ShardPlan` then places every tensor of an inventory. A :class:`Placement` lists
+its :class:`Cut` s (at most two: the TP or EP cut, then the moe-TP cut inside an expert) and,
+per rank, the piece of each cut that rank holds (``None``: the rank holds none of the tensor).
+Pieces are contiguous, equal and in order, so concatenating them gives the tensor back exactly.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
 from ..errors import PlanError
-from ..formats import get_format
+from ..formats.mxfp8 import BLOCK as MXFP8_BLOCK
+from ..formats.nvfp4 import BLOCK as NVFP4_BLOCK
 from ..model.config import InklingConfig
 from ..model.inventory import TensorSpec, nbytes
 from ..model.precision import PrecisionPlan
-from .rules import Rule, Split, rule_of
+from .rules import EXPERT_PARTS, Rule, Split, rule_of
 
-#: NVFP4 stores one FP8 scale per 16 inputs; the engines' NVFP4 MoE kernels additionally need
-#: each rank's block-scale width to be a multiple of 16 columns (reference/peers.md §4.5).
+#: The engines' NVFP4 MoE kernels need each rank's block-scale width to be a multiple of 16
+#: scale columns (spec/parallel.md).
 NVFP4_SCALE_COLUMN_MULTIPLE = 16
+#: Elements per block scale along an expert's input width, per expert format.
+EXPERT_BLOCK = {"mxfp8": MXFP8_BLOCK, "nvfp4": NVFP4_BLOCK}
 
 
 @dataclass(frozen=True)
@@ -69,14 +73,24 @@ def _divisors(n: int, limit: int = 64) -> str:
     return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def _layer_ranges(layers: Sequence[int]) -> str:
-    out: list[str] = []
+def layer_ranges(layers: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out: list[list[int]] = []
     for i in sorted(layers):
-        if out and int(out[-1].split("-")[-1]) == i - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        if out and out[-1][1] == i - 1:
+            out[-1][1] = i
         else:
-            out.append(str(i))
-    return ",".join(out)
+            out.append([i, i])
+    return ",".join(f"{a}-{b}" if a != b else str(a) for a, b in out)
+
+
+def _head_sets(cfg: InklingConfig) -> dict[tuple[int, int], list[int]]:
+    """(query heads, KV heads) -> the layers that have them (sliding and full layers may differ)."""
+    out: dict[tuple[int, int], list[int]] = {}
+    for i in range(cfg.num_hidden_layers):
+        d = cfg.layer_dims(i)
+        out.setdefault((d.heads, d.kv_heads), []).append(i)
+    return out
 
 
 def validate(cfg: InklingConfig, precision: PrecisionPlan, tp: int, ep: int) -> ParallelPlan:
@@ -84,80 +98,74 @@ def validate(cfg: InklingConfig, precision: PrecisionPlan, tp: int, ep: int) -> 
     for flag, v in (("--tp", tp), ("--ep", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise PlanError(f"{flag} must be a positive integer, got {v!r}")
-    E, NH, KV = cfg.n_routed_experts, cfg.num_attention_heads, cfg.num_key_value_heads
+    if len(precision) != cfg.num_hidden_layers:
+        raise PlanError(f"precision plan covers {len(precision)} layers, the model has {cfg.num_hidden_layers}")
+    E = cfg.n_routed_experts
     if tp % ep:
-        raise PlanError(
-            f"--ep {ep} does not divide --tp {tp}: each EP rank is a group of tp/ep TP ranks that "
-            f"share its experts (use an --ep among {_divisors(tp)})"
-        )
+        raise PlanError(f"--ep {ep} does not divide --tp {tp}: each EP rank is a group of tp/ep TP ranks that "
+                        f"share its experts (use an --ep among {_divisors(tp)})")
     if E % ep:
-        raise PlanError(
-            f"--ep {ep} does not divide the {E} routed experts: each EP rank owns an equal contiguous "
-            f"block of experts (use an --ep among {_divisors(E)})"
-        )
-    if NH % tp:
-        raise PlanError(
-            f"--tp {tp} does not divide the {NH} attention heads: query heads are split whole over TP "
-            f"ranks (use a --tp among {_divisors(NH)})"
-        )
-    if KV % tp and tp % KV:
-        raise PlanError(
-            f"--tp {tp} and the {KV} KV heads: tp must divide the KV heads or be a multiple of them "
-            f"(KV heads are split whole, or replicated when tp exceeds them)"
-        )
+        raise PlanError(f"--ep {ep} does not divide the {E} routed experts: each EP rank owns an equal contiguous "
+                        f"block of experts (use an --ep among {_divisors(E)})")
+    for (nh, kv), layers in _head_sets(cfg).items():
+        where = f"layers {layer_ranges(layers)}" if len(layers) < cfg.num_hidden_layers else "every layer"
+        if nh % tp:
+            raise PlanError(f"--tp {tp} does not divide the {nh} attention heads ({where}): query heads are split "
+                            f"whole over TP ranks (use a --tp among {_divisors(nh)})")
+        if kv % tp and tp % kv:
+            raise PlanError(f"--tp {tp} and the {kv} KV heads ({where}): tp must divide the KV heads or be a "
+                            "multiple of them (KV heads are split whole, or replicated when tp exceeds them)")
     if cfg.vocab_size % tp:
-        raise PlanError(
-            f"--tp {tp} does not divide the vocabulary of {cfg.vocab_size} rows: embed_tokens and lm_head "
-            f"are split by rows over TP, and padding the vocabulary is not supported"
-        )
-    for what, size in (("MTP dense MLP width (intermediate_size)", cfg.intermediate_size),
-                       ("hidden size (MTP eh_proj rows)", cfg.hidden_size)):
-        if cfg.num_nextn_predict_layers and size % tp:
-            raise PlanError(f"--tp {tp} does not divide the {what} {size}")
+        raise PlanError(f"--tp {tp} does not divide the vocabulary of {cfg.vocab_size} rows: embed and unembed "
+                        "are split by rows over TP, and padding the vocabulary is not supported")
     plan = ParallelPlan(tp, ep)
     moe_tp = plan.moe_tp
     if moe_tp > 1:
-        I = cfg.moe_intermediate_size
+        F = cfg.moe_intermediate_size
         nvfp4 = [i for i, f in enumerate(precision.formats) if f == "nvfp4"]
         if nvfp4:
-            cols = I // moe_tp // get_format("nvfp4").block if I % moe_tp == 0 else None
-            detail = (f"at moe_tp {moe_tp} down_proj's {I} inputs become {I // moe_tp} per rank, "
-                      f"{cols} scale columns" if cols is not None else
-                      f"down_proj's {I} inputs do not even split {moe_tp} ways")
+            full_cols = F // NVFP4_BLOCK
+            detail = (f"{F}/{NVFP4_BLOCK} = {full_cols} columns at moe_tp 1, {full_cols / moe_tp:g} at moe_tp {moe_tp}")
             raise PlanError(
                 f"NVFP4 experts cannot be TP-sharded: --tp {tp} --ep {ep} gives moe_tp {moe_tp}, but layers "
-                f"{_layer_ranges(nvfp4)} store routed experts in NVFP4, which need moe_tp 1 - each expert's "
-                f"input_scale and weight_scale_2 cover its full input width, and the engines require each "
-                f"rank's block-scale width to be a multiple of {NVFP4_SCALE_COLUMN_MULTIPLE} columns ({detail}); "
-                f"use --ep {tp} with --tp {tp}"
-            )
-        if I % moe_tp:
-            raise PlanError(
-                f"moe_tp {moe_tp} (--tp {tp} / --ep {ep}) does not divide the expert width "
-                f"moe_intermediate_size {I}"
-            )
-        for fmt_name in precision.used_formats():
-            block = get_format(fmt_name).block
-            if (I // moe_tp) % block:
-                layers = [i for i, f in enumerate(precision.formats) if f == fmt_name]
+                f"{layer_ranges(nvfp4)} store routed experts in NVFP4, which need moe_tp 1: each expert's activation "
+                f"scale must cover its full input width, and the engines require each rank's block-scale width to be "
+                f"a multiple of {NVFP4_SCALE_COLUMN_MULTIPLE} scale columns ({detail}); use --ep {tp} with --tp {tp}")
+        if F % moe_tp:
+            raise PlanError(f"moe_tp {moe_tp} (--tp {tp} / --ep {ep}) does not divide the expert width "
+                            f"moe_intermediate_size {F}: w13 rows split in whole (gate, up) pairs, w2 by columns")
+        for fmt in precision.used_formats():
+            block = EXPERT_BLOCK.get(fmt)
+            if block and (F // moe_tp) % block:
+                layers = [i for i, f in enumerate(precision.formats) if f == fmt]
                 raise PlanError(
-                    f"moe_tp {moe_tp} (--tp {tp} / --ep {ep}) cuts down_proj's input width {I} into pieces of "
-                    f"{I // moe_tp}, not a multiple of the {fmt_name} block of {block} (layers "
-                    f"{_layer_ranges(layers)}): every split must land on a block boundary; use a larger --ep"
-                )
+                    f"moe_tp {moe_tp} (--tp {tp} / --ep {ep}) cuts w2's input width {F} into pieces of {F // moe_tp}, "
+                    f"not a multiple of the {fmt} block of {block} (layers {layer_ranges(layers)}): every split must "
+                    "land on a block boundary; use a larger --ep")
     return plan
 
 
 @dataclass(frozen=True)
+class Cut:
+    """``pieces`` equal contiguous pieces along stored dimension ``dim``."""
+
+    dim: int
+    pieces: int
+
+    def bounds(self, size: int, piece: int) -> tuple[int, int]:
+        step = size // self.pieces
+        return piece * step, (piece + 1) * step
+
+
+@dataclass(frozen=True)
 class Placement:
-    """Where one stored tensor goes: cut along ``dim`` into ``pieces`` equal pieces;
-    ``holders[rank]`` is the piece that rank holds, or None."""
+    """Where one stored tensor goes: ``cuts`` divide it; ``holders[rank]`` is the piece of each
+    cut that rank holds (``()`` when uncut), or None."""
 
     spec: TensorSpec
     rule: Rule
-    dim: int | None
-    pieces: int
-    holders: tuple[int | None, ...]
+    cuts: tuple[Cut, ...]
+    holders: tuple[tuple[int, ...] | None, ...]
 
     @property
     def name(self) -> str:
@@ -165,33 +173,34 @@ class Placement:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if self.dim is None:
-            return self.spec.shape
         s = list(self.spec.shape)
-        s[self.dim] //= self.pieces
+        for c in self.cuts:
+            s[c.dim] //= c.pieces
         return tuple(s)
 
     @property
     def local_nbytes(self) -> int:
         return nbytes(self.local_shape, self.spec.dtype)
 
-    def piece_range(self, piece: int) -> tuple[int, int]:
-        """[start, stop) of ``piece`` along ``dim``."""
-        assert self.dim is not None
-        step = self.spec.shape[self.dim] // self.pieces
-        return piece * step, (piece + 1) * step
+    def region(self, piece: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """``(dim, start, stop)`` of each cut for one piece."""
+        return [(c.dim, *c.bounds(self.spec.shape[c.dim], i)) for c, i in zip(self.cuts, piece)]
+
+    def pieces(self) -> list[tuple[int, ...]]:
+        """Every piece, in the order that reassembles the tensor (last cut fastest)."""
+        return list(itertools.product(*(range(c.pieces) for c in self.cuts)))
 
     def ranks(self) -> list[int]:
         return [r for r, p in enumerate(self.holders) if p is not None]
 
-    def first_holder(self, piece: int) -> int:
+    def first_holder(self, piece: tuple[int, ...]) -> int:
         """The lowest rank holding ``piece`` (what a merge reads)."""
         return self.holders.index(piece)
 
-    @property
-    def replicated_copies(self) -> int:
-        """How many ranks hold each piece (1 = no duplication)."""
-        return len(self.ranks()) // self.pieces
+    def copies(self, rank: int) -> int:
+        """How many ranks hold the piece ``rank`` holds (0 if it holds none)."""
+        p = self.holders[rank]
+        return 0 if p is None else self.holders.count(p)
 
 
 @dataclass
@@ -224,13 +233,12 @@ class ShardPlan:
         out = [0] * self.tp
         for p in self.placements:
             n = p.local_nbytes
-            for r, piece in enumerate(p.holders):
-                if piece is not None:
-                    out[r] += n
+            for r in p.ranks():
+                out[r] += n
         return out
 
     def expert_ownership(self) -> dict[int, dict[str, object]]:
-        """EP rank -> its experts and the TP ranks that hold them."""
+        """EP rank -> its experts [first, stop) and the TP ranks that hold them."""
         E = self.cfg.n_routed_experts
         out: dict[int, dict[str, object]] = {}
         for e in range(self.parallel.ep):
@@ -239,50 +247,61 @@ class ShardPlan:
         return out
 
 
+def _cut(spec: TensorSpec, dim: int, pieces: int, unit: int, what: str) -> Cut:
+    """A cut of ``dim`` into ``pieces`` whose boundaries fall on multiples of ``unit`` elements."""
+    size = spec.shape[dim]
+    if size % pieces or (size // pieces) % unit:
+        raise PlanError(f"{spec.name}: dim {dim} of {list(spec.shape)} cannot be cut into {pieces} pieces on {what}")
+    return Cut(dim, pieces)
+
+
 def place(spec: TensorSpec, cfg: InklingConfig, plan: ParallelPlan) -> Placement:
     """The placement of one tensor under ``plan`` (the plan has passed :func:`validate`)."""
-    rule = rule_of(spec.row)
+    rule = rule_of(spec)
     tp = plan.tp
-    every = tuple(range(tp))
     if rule.split is Split.REPLICATE:
-        return Placement(spec, rule, None, 1, (0,) * tp)
+        return Placement(spec, rule, (), ((),) * tp)
     if rule.split is Split.EXPERT:
         return _place_expert(spec, rule, cfg, plan)
-    dim = rule.dim
-    assert dim is not None
-    size = spec.shape[dim]
-    if rule.split is Split.Q_HEADS:
-        heads, pieces, holders = cfg.num_attention_heads, tp, every
-    elif rule.split is Split.KV_HEADS:
-        heads = cfg.num_key_value_heads
-        if tp <= heads:
-            pieces, holders = tp, every
+    assert rule.dim is not None  # every splitting rule of the table names its dim
+    size = spec.shape[rule.dim]
+    if rule.split is Split.VOCAB:
+        pieces, holders, unit, what = tp, [(r,) for r in range(tp)], 1, "vocabulary rows"
+    else:
+        if spec.layer is None:
+            raise PlanError(f"{spec.name}: a per-head tensor outside any layer")
+        dims = cfg.layer_dims(spec.layer)
+        heads = dims.heads if rule.split is Split.Q_HEADS else dims.kv_heads
+        if size % heads:
+            raise PlanError(f"{spec.name}: dim {rule.dim} of {list(spec.shape)} is not {heads} heads")
+        if rule.split is Split.KV_HEADS and tp > heads:
+            pieces, holders = heads, [(r // (tp // heads),) for r in range(tp)]
         else:
-            pieces = heads
-            holders = tuple(r // (tp // heads) for r in range(tp))
-    else:  # VOCAB, TP: even pieces of rows/columns
-        heads, pieces, holders = size, tp, every
-    if size % heads or heads % pieces:
-        raise PlanError(f"{spec.name}: dim {dim} of {list(spec.shape)} cannot be cut into {pieces} pieces "
-                        f"on {heads}-way boundaries ({rule.describe()})")
+            pieces, holders = tp, [(r,) for r in range(tp)]
+        unit, what = size // heads, "head boundaries"
     if pieces == 1:
-        return Placement(spec, rule, None, 1, (0,) * tp)
-    return Placement(spec, rule, dim, pieces, holders)
+        return Placement(spec, rule, (), ((),) * tp)
+    return Placement(spec, rule, (_cut(spec, rule.dim, pieces, unit, what),), tuple(holders))
 
 
 def _place_expert(spec: TensorSpec, rule: Rule, cfg: InklingConfig, plan: ParallelPlan) -> Placement:
-    assert spec.expert is not None
-    group = plan.ep_group(plan.owner_of(spec.expert, cfg.n_routed_experts))
-    moe_tp = plan.moe_tp
-    ndim = len(spec.shape)
-    # Logical dim 0 (rows) is stored dim 0; logical dim 1 (the input width) is the stored last
-    # dim, packed or not. Scalars (weight_scale_2, input_scale) travel whole with their expert.
-    if moe_tp == 1 or ndim == 0:
-        holders = tuple(0 if r in group else None for r in plan.ranks)
-        return Placement(spec, rule, None, 1, holders)
-    dim = 0 if rule.dim == 0 else ndim - 1
-    if spec.shape[dim] % moe_tp:
-        raise PlanError(f"{spec.name}: stored dim {dim} of {list(spec.shape)} does not split {moe_tp} ways")
-    holders = tuple(plan.moe_tp_rank(r) if r in group else None for r in plan.ranks)
-    return Placement(spec, rule, dim, moe_tp, holders)
-
+    part = EXPERT_PARTS.get(spec.part if spec.part is not None else "")
+    if part is None:
+        raise PlanError(f"{spec.name}: stored expert part {spec.part!r} has no split rule")
+    cuts: list[Cut] = []
+    if part.ep and plan.ep > 1:
+        cuts.append(_cut(spec, 0, plan.ep, 1, "expert boundaries"))
+    moe = part.moe_tp and plan.moe_tp > 1
+    if moe:
+        assert rule.dim is not None
+        cuts.append(_cut(spec, rule.dim, plan.moe_tp, 2 if rule.pairs else 1,
+                         "whole (gate, up) row pairs" if rule.pairs else "an even split"))
+    holders = []
+    for r in plan.ranks:
+        piece: tuple[int, ...] = ()
+        if part.ep and plan.ep > 1:
+            piece += (plan.ep_rank(r),)
+        if moe:
+            piece += (plan.moe_tp_rank(r),)
+        holders.append(piece)
+    return Placement(spec, rule, tuple(cuts), tuple(holders))

@@ -1,0 +1,85 @@
+"""Tiny Inkling 2 release checkpoints written by transformers itself (test-only oracle).
+
+``Inkling2ForConditionalGeneration(...).save_pretrained`` writes the BF16 checkpoint (the model is
+built in F32, then loaded back with ``dtype=bfloat16`` so the router, short convolutions and
+residual queries stay F32 as transformers keeps them); the quantized variants replace each
+layer's stacked experts by :func:`~inkling_ckpt.formats.stacked.encode_stacked` parts. Sliding
+and full layers have different head counts here (8 query / 2 KV heads on full layers, 4 / 4 on
+sliding ones) so per-layer geometry is exercised, and tp 4 replicates the full layers' KV heads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from inkling_ckpt.formats.stacked import encode_stacked
+from inkling_ckpt.model.inventory import EXPERT_ROWS
+from inkling_ckpt.model.precision import PrecisionPlan
+from inkling_ckpt.model.quant_config import release_quant_config
+from inkling_ckpt.model.config import InklingConfig
+
+TEXT = dict(vocab_size=256, unpadded_vocab_size=250, hidden_size=64, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=8,
+            swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=16,
+            sliding_window_size=32, rel_extent=48, d_rel=8, moe_intermediate_size=64, n_routed_experts=8,
+            num_experts_per_tok=2, n_layers_per_attn_res_block=2, eos_token_id=2,
+            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"])
+VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4, posemb_grid_size=4,
+              projection_hidden_dim=48, text_hidden_size=64)
+PLANS = {"bf16": "bf16", "mixed": "0-1:nvfp4,2-3:mxfp8", "mxfp8": "mxfp8"}
+
+
+def transformers_model(work: Path):
+    """The BF16 model as transformers loads it from its own checkpoint."""
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Inkling2ForConditionalGeneration(Inkling2Config(text_config=TEXT, vision_config=VISION))
+    model.save_pretrained(work / "f32")
+    return Inkling2ForConditionalGeneration.from_pretrained(work / "f32", dtype=torch.bfloat16)
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                out[k] = h.get_tensor(k)
+    return out
+
+
+def write_variants(model, work: Path) -> dict[str, Path]:
+    """bf16 (save_pretrained, several shards), mixed and mxfp8 (experts re-encoded), under ``work``."""
+    bf16 = work / "tiny-bf16"
+    model.save_pretrained(bf16, max_shard_size="200KB")
+    out = {"bf16": bf16}
+    tensors = _tensors(bf16)
+    config = json.loads((bf16 / "config.json").read_text())
+    cfg = InklingConfig.from_dict(config)
+    for variant in ("mixed", "mxfp8"):
+        plan = PrecisionPlan.parse(PLANS[variant], cfg.num_hidden_layers)
+        t = dict(tensors)
+        for layer in range(cfg.num_hidden_layers):
+            for row in EXPERT_ROWS:
+                base = row.name(layer)
+                for suffix, part in encode_stacked(plan.format_of(layer), t.pop(base), name=base).items():
+                    t[base + suffix] = part
+        dst = work / f"tiny-{variant}"
+        dst.mkdir()
+        names = sorted(t)
+        files = {f"model-{i + 1:05d}-of-00003.safetensors": names[i::3] for i in range(3)}
+        weight_map = {}
+        for f, group in files.items():
+            save_file({n: t[n].contiguous() for n in group}, str(dst / f), metadata={"format": "pt"})
+            weight_map.update({n: f for n in group})
+        (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        qc = release_quant_config(cfg, plan)
+        (dst / "config.json").write_text(json.dumps({**config, **({"quantization_config": qc} if qc else {})}))
+        (dst / "generation_config.json").write_bytes((bf16 / "generation_config.json").read_bytes())
+        out[variant] = dst
+    return out
