@@ -7,7 +7,7 @@ decide — and returns a reader with one interface, release tensor names through
 ==============  ==============================================  =========================================
 layout          marker                                          reader
 ==============  ==============================================  =========================================
-``sharded``     ``inkling-shard.json`` (``inkling-ckpt shard``)  :class:`~.sharded.ShardedCheckpoint`
+``sharded``     ``inkling-shard.json`` (``inkling-ckpt shard``)  :class:`~.sharded_release.ShardedRelease`
 ``torch_dist``  ``latest_checkpointed_iteration.txt``,            :class:`~.torch_dist_release.TorchDistRelease`
                 ``metadata.json``/``.metadata`` or ``release/``
 ``hf``          ``config.json``, ``model.safetensors[.index.json]``  :class:`~.hf.HFCheckpoint`
@@ -81,12 +81,14 @@ def detect_layout(path: str | Path) -> str:
         f"inkling-ckpt shard), no {TRACKER} or {RELEASE}/{METADATA_JSON} (Megatron torch_dist)")
 
 
-def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None = None) -> Checkpoint:
+def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None = None,
+                    verify_checksums: bool = False) -> Checkpoint:
     """Open any layout the toolkit writes, detected from the folder (headers and metadata only).
 
     ``config`` (a ``config.json``, a folder holding one, or a dict) is the model config of a
     torch_dist folder that keeps no copy of its own; HF and sharded folders carry theirs, and
-    giving one for them is refused rather than silently ignored.
+    giving one for them is refused rather than silently ignored. ``verify_checksums``: hash every
+    file of a sharded folder against its manifest (sizes are always checked).
     """
     kind = layout or detect_layout(path)
     if kind not in LAYOUTS:
@@ -99,9 +101,9 @@ def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None 
         raise ConfigError(f"{path}: a {kind} checkpoint carries its own config.json; --config is for torch_dist "
                           "folders")
     if kind == SHARDED:
-        from .sharded import ShardedCheckpoint  # imported only when needed
+        from .sharded_release import ShardedRelease  # imported only when needed
 
-        return ShardedCheckpoint.open(path)
+        return ShardedRelease.open(path, verify_checksums=verify_checksums)
     return HFCheckpoint.open(path)
 
 

@@ -249,7 +249,7 @@ def open_pair(path_a: str | Path, path_b: str | Path, *, config: Any = None) -> 
             other = opened[1 - i]
             cfg = config if config is not None else (other.config if other is not None and needs_config(path) else None)
         try:
-            opened[i] = _open(path, config=cfg, layout=kinds[i])
+            opened[i] = _open(path, config=cfg, layout=kinds[i], verify_checksums=True)
         except BaseException:
             for src in opened:
                 if src is not None:
