@@ -13,7 +13,7 @@ is about 4.2 GB, 8 layers twice that), then measures, each in its own process:
 Every step starts settled (``sync``, and the step's input files dropped from the page cache),
 so each reads from disk and none pays for another's writeback. It reports wall time, MB/s (output bytes / wall time; 1 MB = 10^6 B), peak RSS (the child's
 ``ru_maxrss``) and the acceptance checks: peak RSS of the two sizes within 10% of each other
-and below 3 x the largest tensor + 512 MiB; conversion throughput >= 50% of the plain copy.
+and below 3 x the largest tensor + 512 MiB; conversion throughput >= 80% of the plain copy (issue 8).
 
     python bench/convert.py                     # 4 and 8 layers under ./bench-work
     python bench/convert.py --layers 1 2        # a quick run
@@ -181,8 +181,8 @@ def main() -> None:
               f"{'yes' if spread <= 0.10 else 'NO'}); below 3 x largest tensor + 512 MiB = {limit / 2**20:.0f} MiB: "
               f"{'yes' if max(peaks) < limit else 'NO'}")
         ratios = [r[what]["mb_s"] / r["plain"]["mb_s"] for r in results]
-        print(f"  {what}: throughput {', '.join(f'{x:.0%}' for x in ratios)} of plain read+write (>= 50%: "
-              f"{'yes' if min(ratios) >= 0.5 else 'NO'})")
+        print(f"  {what}: throughput {', '.join(f'{x:.0%}' for x in ratios)} of plain read+write (>= 80%: "
+              f"{'yes' if min(ratios) >= 0.8 else 'NO'})")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -1,9 +1,15 @@
-"""convert hf-to-megatron / megatron-to-hf / hf-to-hf on the bundled tiny fixtures."""
+"""convert hf-to-megatron / megatron-to-hf (and hf-to-hf) on the bundled tiny release fixtures.
+
+The oracle for the round trip is transformers' own Inkling 2 model: a checkpoint written by its
+``save_pretrained`` goes to torch_dist and back and ``from_pretrained`` gives the same logits,
+bit for bit; quantized references come back byte for byte with ``--scales keep``.
+"""
 
 from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -11,10 +17,10 @@ import pytest
 import torch
 
 from conftest import TINY, same_files
-from inkling_ckpt.convert.megatron import logical_getter
+from inkling_ckpt.formats.stacked import decode_stacked
 from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.layouts.megatron import BACKEND, TorchDistCheckpoint
-from inkling_ckpt.model.mapping import InklingMapping
+from inkling_ckpt.model.mapping import MegatronMapping
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -24,7 +30,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _differing(a: Path, b: Path) -> list[str]:
     x, y = HFCheckpoint.open(a), HFCheckpoint.open(b)
     assert set(x.tensors) == set(y.tensors)
-    return [n for n in x.tensors if not torch.equal(_bits(x.get(n)), _bits(y.get(n)))]
+    return [n for n in x.tensors if x.tensors[n].dtype != y.tensors[n].dtype or not torch.equal(_bits(x.get(n)), _bits(y.get(n)))]
+
+
+def _decoded(ckpt: HFCheckpoint, base: str, layer: int) -> torch.Tensor:
+    """A stacked expert weight decoded to BF16 with the reference codec."""
+    parts = {n[len(base):]: ckpt.get(n) for n in ckpt.tensors if n == base or n.startswith(base + "_")}
+    return decode_stacked(ckpt.plan.format_of(layer), parts, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +52,57 @@ def megatron(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def test_transformers_logits_survive_the_round_trip(tmp_path):
+    """save_pretrained → hf-to-megatron → megatron-to-hf → from_pretrained: bit-identical logits."""
+    from _tiny_tf import load, logits, save_tiny
+    from inkling_ckpt.convert.megatron import hf_to_megatron, megatron_to_hf
+
+    src = save_tiny(tmp_path / "tf", seed=3)
+    ref = HFCheckpoint.open(src)
+    assert ref.plan.variant == "bf16"
+    hf_to_megatron(ref, tmp_path / "mg", progress=False)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", ref, progress=False)
+    assert _differing(src, tmp_path / "back") == []
+    a, _ = load(src)
+    b, info = load(tmp_path / "back")
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    la, lb = logits(a), logits(b)
+    assert torch.equal(_bits(la), _bits(lb))
+
+
 @pytest.mark.parametrize("variant", ["bf16", "mixed", "mxfp8"])
 def test_round_trip_with_kept_scales_is_byte_identical(cli, tmp_path, megatron, variant):
     code, out, err = cli("convert", "megatron-to-hf", megatron[variant], tmp_path / "back",
                          "--reference", TINY[variant], "--scales", "keep", "-q")
     assert code == 0, err
     assert _differing(TINY[variant], tmp_path / "back") == []
-    # Configs and pass-through files too (shard boundaries may differ: compare tensors, not shards).
-    for name in ("config.json", "generation_config.json", "hf_quant_config.json"):
-        if (TINY[variant] / name).exists():
-            assert json.loads((TINY[variant] / name).read_text()) == json.loads((tmp_path / "back" / name).read_text())
+    # Configs (the MXFP8 quantization_config included) and pass-through files too.
+    for name in ("config.json", "generation_config.json"):
+        assert json.loads((TINY[variant] / name).read_text()) == json.loads((tmp_path / "back" / name).read_text())
+    assert not (tmp_path / "back" / "hf_quant_config.json").exists()
 
 
 def test_fresh_scales_change_bytes_not_values(tmp_path, megatron):
     """--scales fresh: which tensors differ, and why.
 
     Every difference is an equal value written with other bytes: NVFP4 elements that rounded to
-    -0 decode to -0.0 and re-encode as +0 (nibble 0x0, the ModelOpt convention), and MXFP8
-    blocks whose largest element rounded down to 224·2^s re-encode one scale lower. Nothing
-    outside the routed experts changes.
+    -0 decode to -0.0 and re-encode as +0, MXFP8 blocks whose largest element rounded down to
+    224·2^s re-encode one scale lower, and a fresh NVFP4 amax is each expert's own max |x| of the
+    decoded weights. Nothing outside the routed experts changes, and the decoded values stay
+    within one NVFP4 step (exactly equal for MXFP8).
     """
     from inkling_ckpt.convert.megatron import megatron_to_hf
 
     ref = HFCheckpoint.open(TINY["mixed"])
     megatron_to_hf(megatron["mixed"], tmp_path / "fresh", ref, scales="fresh", progress=False)
+    out = HFCheckpoint.open(tmp_path / "fresh")
     differ = _differing(TINY["mixed"], tmp_path / "fresh")
-    modules = sorted({n.rsplit(".", 1)[0] for n in differ})
-    assert all(".mlp.experts." in n for n in differ)
-    a, b = logical_getter(ref), logical_getter(HFCheckpoint.open(tmp_path / "fresh"))
-    assert all(torch.equal(a(m + ".weight"), b(m + ".weight")) for m in modules)  # == treats -0.0 as 0.0
-    print(f"--scales fresh: {len(differ)} of {len(ref.tensors)} tensors differ in bytes "
-          f"({len(modules)} expert linears), 0 in decoded values")
+    assert differ and all(".mlp.experts." in n for n in differ)
+    for layer in (2, 3):  # MXFP8: same values
+        for w in ("w13_weight", "w2_weight"):
+            base = f"model.llm.layers.{layer}.mlp.experts.{w}"
+            assert torch.equal(_decoded(ref, base, layer), _decoded(out, base, layer))
+    print(f"--scales fresh: {len(differ)} of {len(ref.tensors)} tensors differ in bytes")
 
 
 def test_torch_dist_folder_matches_the_spec(megatron):
@@ -81,48 +113,55 @@ def test_torch_dist_folder_matches_the_spec(megatron):
     common = torch.load(rel / "common.pt", weights_only=True)
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     assert common["content_metadata"] == {"non_homogeneous_layers": True}
+    assert common["inkling"]["preset"] == "miles"
     ckpt = TorchDistCheckpoint.open(root)
-    m = InklingMapping(ckpt_cfg := HFCheckpoint.open(TINY["mixed"]).cfg)
-    assert set(ckpt.keys) == set(m.megatron_keys())
-    assert set(ckpt.objects) == set(m.extra_state_keys())
-    for key in m.megatron_keys():
-        st = ckpt.keys[key]
-        assert st.shape == m.megatron_shape(key) and st.dtype == m.megatron_dtype(key)
-        assert len(st.chunks) == len(m.chunks(key))  # one chunk per expert for stacked experts
-    E = ckpt_cfg.n_routed_experts
-    fc1 = ckpt.keys["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"]
-    assert fc1.chunks[3] == ((3, 0, 0), (1, 2 * ckpt_cfg.moe_intermediate_size, ckpt_cfg.hidden_size)) and len(fc1.chunks) == E
-    assert ckpt.read_object(m.extra_state_keys()[0])[0].numel() == 0
-    # Values: every tensor equals the mapping applied to the (decoded) HF source.
     src = HFCheckpoint.open(TINY["mixed"])
-    get = logical_getter(src)
-    for key in m.megatron_keys():
-        assert torch.equal(ckpt.read(key), m.to_megatron(key, get)), key
+    cfg = src.cfg
+    m = MegatronMapping(cfg)
+    assert set(ckpt.keys) == set(m.keys())
+    assert set(ckpt.objects) == {o.key for o in m.extra_state()}
+    assert ckpt.read_object(m.extra_state()[0].key)[0].numel() == 0
+    E, F, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    fc1 = ckpt.keys["decoder.layers.0.mlp.experts.experts.linear_fc1.weight"]
+    assert fc1.shape == (E, 2 * F, H) and fc1.dtype == torch.bfloat16
+    assert len(fc1.chunks) == E and ((3, 0, 0), (1, 2 * F, H)) in fc1.chunks  # one chunk per (layer, expert)
+    # Non-expert tensors: the source's bytes in the source's dtype (router, sconv, queries F32).
+    for e in m.entries():
+        if e.stacked:
+            continue
+        st = ckpt.keys[e.key]
+        assert len(st.chunks) == 1 and st.dtype == src.tensors[e.hf].dtype, e.key
+        assert torch.equal(_bits(ckpt.read(e.key)), _bits(src.get(e.hf))), e.key
+    assert ckpt.keys["decoder.layers.0.mlp.router.weight"].dtype == torch.float32
+    assert ckpt.keys["decoder.layers.1.attn_res_query"].shape == (3, H)  # layer 1 is full: attn_queries.0
+    # Experts: decoded, then gate rows followed by up rows per expert.
+    for layer in range(cfg.num_hidden_layers):
+        w13 = _decoded(src, f"model.llm.layers.{layer}.mlp.experts.w13_weight", layer)
+        w2 = _decoded(src, f"model.llm.layers.{layer}.mlp.experts.w2_weight", layer)
+        got = ckpt.read(f"decoder.layers.{layer}.mlp.experts.experts.linear_fc1.weight")
+        assert torch.equal(_bits(got[:, :F]), _bits(w13[:, 0::2])) and torch.equal(_bits(got[:, F:]), _bits(w13[:, 1::2]))
+        assert torch.equal(_bits(ckpt.read(f"decoder.layers.{layer}.mlp.experts.experts.linear_fc2.weight")), _bits(w2))
+    assert not any(k.startswith("model.visual") or "visual" in k for k in ckpt.keys)
 
 
-def test_pad_vocab_round_trips(cli, tmp_path):
-    code, _, err = cli("convert", "hf-to-megatron", TINY["bf16"], tmp_path / "mg", "--pad-vocab-to-multiple", "384", "-q")
-    assert code == 0, err
+def test_bridge_preset_round_trips(tmp_path):
+    from inkling_ckpt.convert.megatron import hf_to_megatron, megatron_to_hf
+    from inkling_ckpt.errors import CheckpointError
+
+    ref = HFCheckpoint.open(TINY["mixed"])
+    hf_to_megatron(ref, tmp_path / "mg", preset="bridge", progress=False)
     ckpt = TorchDistCheckpoint.open(tmp_path / "mg")
-    emb = ckpt.read("embedding.word_embeddings.weight")
-    assert emb.shape[0] == 768 and not emb[512:].any()
-    code, _, err = cli("convert", "megatron-to-hf", tmp_path / "mg", tmp_path / "back", "--reference", TINY["bf16"], "-q")
-    assert code == 0, err
-    assert _differing(TINY["bf16"], tmp_path / "back") == []
+    assert "decoder.layers.7.mlp.experts.experts.linear_fc1.weight" in ckpt.keys  # layer 3's MoE at 2·3+1
+    assert "decoder.layers.6.self_attention.linear_qkv.weight.q" in ckpt.keys
+    assert "decoder.final_norm.weight" in ckpt.keys
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", ref, preset="bridge", progress=False)
+    assert _differing(TINY["mixed"], tmp_path / "back") == []
+    with pytest.raises(CheckpointError, match="no preset miles rule uses"):
+        megatron_to_hf(tmp_path / "mg", tmp_path / "wrong", ref, progress=False)
 
 
-def test_hf_to_hf_reproduces_the_bundled_variants(cli, tmp_path):
-    code, _, err = cli("convert", "hf-to-hf", TINY["bf16"], tmp_path / "mx", "--plan", "mxfp8", "--max-shard-size", "2MB", "-q")
-    assert code == 0, err
-    assert same_files(TINY["mxfp8"], tmp_path / "mx") == []
-    code, _, err = cli("convert", "hf-to-hf", TINY["mixed"], tmp_path / "bf", "--plan", "bf16", "-q")
-    assert code == 0, err
-    back = HFCheckpoint.open(tmp_path / "bf")
-    assert back.plan.variant == "bf16"
-
-
-def test_plan_change_on_the_way_back(tmp_path, megatron):
-    """megatron-to-hf --plan mxfp8 from a mixed reference equals hf-to-hf of the decoded weights."""
+def test_plan_change_on_the_way_back(cli, tmp_path, megatron):
+    """megatron-to-hf --plan: every layer in the new format; layers that were MXFP8 keep their values."""
     from inkling_ckpt.convert.megatron import megatron_to_hf
     from inkling_ckpt.model.precision import PrecisionPlan
 
@@ -130,11 +169,22 @@ def test_plan_change_on_the_way_back(tmp_path, megatron):
     megatron_to_hf(megatron["mixed"], tmp_path / "mx", ref, plan=PrecisionPlan.uniform("mxfp8", 4), scales="fresh",
                    progress=False)
     out = HFCheckpoint.open(tmp_path / "mx")
-    assert out.plan.variant == "mxfp8"
-    # Layers 2-3 were MXFP8 already: same values as the reference.
-    a, b = logical_getter(ref), logical_getter(out)
-    name = "model.language_model.layers.3.mlp.experts.1.down_proj.weight"
-    assert torch.equal(a(name), b(name))
+    assert str(out.plan) == "0-3:mxfp8"
+    assert out.config["quantization_config"]["quant_method"] == "fp8"  # the MXFP8 release's config
+    base = "model.llm.layers.3.mlp.experts.w2_weight"
+    assert torch.equal(_decoded(ref, base, 3), _decoded(out, base, 3))
+    # BF16 layers out of a quantized reference: the decoded values themselves.
+    megatron_to_hf(megatron["mixed"], tmp_path / "bf", ref, plan=PrecisionPlan.uniform("bf16", 4), scales="fresh",
+                   progress=False)
+    bf = HFCheckpoint.open(tmp_path / "bf")
+    assert "quantization_config" not in bf.config
+    base = "model.llm.layers.0.mlp.experts.w13_weight"
+    assert torch.equal(_bits(bf.get(base)), _bits(_decoded(ref, base, 0)))
+    # keep needs the reference's NVFP4 amax: one line, nothing written.
+    code, _, err = cli("convert", "megatron-to-hf", megatron["bf16"], tmp_path / "dst", "--reference", TINY["bf16"],
+                       "--plan", "0-1:nvfp4,2-3:bf16", "-q")
+    assert code != 0 and "layer 0 is nvfp4 in the plan but bf16 in the reference" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "dst").exists()
 
 
 def test_skip_when_done_force_and_other_job(cli, tmp_path):
@@ -159,16 +209,14 @@ def test_resume_reuses_finished_units(tmp_path, monkeypatch):
     src = HFCheckpoint.open(TINY["mixed"])
     conv.hf_to_megatron(src, tmp_path / "ref", progress=False)
 
-    calls = {"n": 0}
-    real = InklingMapping.build_chunk
+    real = MegatronMapping.to_megatron
 
-    def dying(self, key, offsets, sizes, get_hf):
-        calls["n"] += 1
+    def dying(self, key, t):
         if key.startswith("decoder.layers.2."):
             raise KeyboardInterrupt  # not an InklingError: staging is kept for a resume
-        return real(self, key, offsets, sizes, get_hf)
+        return real(self, key, t)
 
-    monkeypatch.setattr(InklingMapping, "build_chunk", dying)
+    monkeypatch.setattr(MegatronMapping, "to_megatron", dying)
     with pytest.raises(KeyboardInterrupt):
         conv.hf_to_megatron(src, tmp_path / "out", progress=False)
     staging = tmp_path / ".out.inkling-partial"
@@ -179,18 +227,27 @@ def test_resume_reuses_finished_units(tmp_path, monkeypatch):
     finished = sorted(p.name for p in (staging / "release" / layout.UNITS_DIR).glob("*.json"))
     assert finished == ["0.json", "1.json", "2.json"]  # globals, layers 0 and 1
 
-    monkeypatch.setattr(InklingMapping, "build_chunk", real)
     built: list[str] = []
 
-    def counting(self, key, offsets, sizes, get_hf):
+    def counting(self, key, t):
         built.append(key)
-        return real(self, key, offsets, sizes, get_hf)
+        return real(self, key, t)
 
-    monkeypatch.setattr(InklingMapping, "build_chunk", counting)
+    monkeypatch.setattr(MegatronMapping, "to_megatron", counting)
     result = conv.hf_to_megatron(src, tmp_path / "out", progress=False)
-    assert result.resumed
+    assert result.resumed and built
     assert not any(k.startswith(("decoder.layers.0.", "decoder.layers.1.", "embedding.")) for k in built)
     assert same_files(tmp_path / "ref" / "release", tmp_path / "out" / "release", ignore_hidden=False) == []
+
+
+def test_hf_to_hf_reproduces_the_bundled_variants(cli, tmp_path):
+    code, _, err = cli("convert", "hf-to-hf", TINY["bf16"], tmp_path / "mx", "--plan", "mxfp8", "--max-shard-size", "2MB", "-q")
+    assert code == 0, err
+    assert same_files(TINY["mxfp8"], tmp_path / "mx") == []
+    code, _, err = cli("convert", "hf-to-hf", TINY["mixed"], tmp_path / "bf", "--plan", "bf16", "-q")
+    assert code == 0, err
+    back = HFCheckpoint.open(tmp_path / "bf")
+    assert back.plan.variant == "bf16"
 
 
 # ---- bad input: one line naming the file or tensor, exit != 0, nothing published ------------------
@@ -232,7 +289,7 @@ def test_bad_hf_inputs(cli, tmp_path):
     _fails(cli, tmp_path, "convert", "hf-to-megatron", src, dst, match=shard.name)
     # shard missing from disk
     src = _copy(TINY["mixed"], tmp_path / "missing")
-    gone = _shard(src, 2)
+    gone = _shard(src, 0)
     gone.unlink()
     _fails(cli, tmp_path, "convert", "hf-to-megatron", src, dst, match=gone.name)
     # index entry pointing outside the folder
@@ -256,6 +313,36 @@ def test_bad_hf_inputs(cli, tmp_path):
     _fails(cli, tmp_path, "convert", "hf-to-megatron", src, dst, match="head_dim")
 
 
+def _reference(tmp_path: Path, name: str, *, layers: int | None = None, experts: int | None = None) -> Path:
+    """The mixed fixture cut down to fewer layers or experts: a reference of another model."""
+    from safetensors.torch import save_file
+
+    src = HFCheckpoint.open(TINY["mixed"])
+    config = json.loads((TINY["mixed"] / "config.json").read_text())
+    text = config["text_config"]
+    tensors = {}
+    for n in src.tensors:
+        t = src.get(n)
+        m = re.match(r"model\.llm\.(?:layers\.(\d+)\.|attn_res\.(attn|mlp)_queries\.(\d+))", n)
+        if layers is not None and m:
+            layer = int(m.group(1)) if m.group(1) else int(m.group(3)) + (m.group(2) == "attn")
+            if layer >= layers:
+                continue
+        if experts is not None and (".mlp.experts." in n or ".mlp.gate." in n) and t.dim() >= 1:
+            t = t[:experts]
+        tensors[n] = t.contiguous()
+    if layers is not None:
+        text["num_hidden_layers"], text["layer_types"] = layers, text["layer_types"][:layers]
+    if experts is not None:
+        text["n_routed_experts"] = experts
+    out = tmp_path / name
+    out.mkdir()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config))
+    HFCheckpoint.open(out)  # a valid release checkpoint of another shape
+    return out
+
+
 def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     dst = tmp_path / "dst"
     ref = TINY["mixed"]
@@ -277,13 +364,13 @@ def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     _fails(cli, tmp_path, "convert", "megatron-to-hf", mg, dst, "--reference", ref, match="__3_0.distcp")
     # a reference of another model: the checkpoint holds layers the reference does not have
-    assert cli("make-fixture", tmp_path / "two", "--layers", "2", "-q")[0] == 0
-    _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", tmp_path / "two",
-           match="no rule consumes tensor decoder.layers.2.")
+    two = _reference(tmp_path, "two", layers=2)
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", two,
+           match="no preset miles rule uses decoder.layers.2.")
     # a tensor of the wrong global shape
-    assert cli("make-fixture", tmp_path / "e4", "--experts", "4", "-q")[0] == 0
-    _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", tmp_path / "e4",
-           match="mlp.router.weight is [8, 256]")
+    e4 = _reference(tmp_path, "e4", experts=4)
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", e4,
+           match="decoder.layers.0.mlp.router.weight is [8, 256]")
 
 
 class _Opaque:
@@ -319,9 +406,10 @@ def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
     code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run")
     assert code == 0, err
     info = json.loads(out)
-    m = InklingMapping(HFCheckpoint.open(TINY["mixed"]).cfg)
-    assert info["tensors"] == len(m.megatron_keys()) and info["extra_state_objects"] == len(m.extra_state_keys())
-    assert info["chunks"] == sum(len(m.chunks(k)) for k in m.megatron_keys())
+    m = MegatronMapping(HFCheckpoint.open(TINY["mixed"]).cfg)
+    assert info["tensors"] == len(m.keys()) and info["extra_state_objects"] == len(m.extra_state())
+    assert info["chunks"] == sum(len(e.chunks()) for e in m.entries()) and info["preset"] == "miles"
+    assert info["vision_tensors_left_out"] > 0
     assert not (tmp_path / "mg").exists() and list(tmp_path.iterdir()) == []
     code, out, err = cli("convert", "megatron-to-hf", megatron["mixed"], tmp_path / "hf", "--reference", TINY["mixed"],
                          "--dry-run")
@@ -332,10 +420,8 @@ def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
 
 def test_megatron_to_hf_reads_stacked_layers(tmp_path, megatron):
     """A training run that treats layers as homogeneous saves ``decoder.layers.<name>`` with a
-    leading layer axis (only the K/V convolutions of the full-attention layer stay per layer
-    here); megatron-to-hf reads it as per-layer keys and gives the fixture back byte for byte."""
-    import re
-
+    leading layer axis (tensors that exist on every layer); megatron-to-hf reads it as per-layer
+    keys and gives the fixture back byte for byte."""
     from inkling_ckpt.convert.megatron import megatron_to_hf
     from inkling_ckpt.layouts.megatron import ChunkItem, ObjectItem, common_state, finish_iteration_dir, write_dcp
 
@@ -348,7 +434,7 @@ def test_megatron_to_hf_reads_stacked_layers(tmp_path, megatron):
         groups.setdefault(name, []).append(key)
     chunks, source = [], {}
     for unit, (name, keys) in enumerate(groups.items()):
-        if len(keys) == L:  # stack: chunk per layer (and per expert), offsets with a layer index
+        if len(keys) == L and len({ours.keys[k].shape for k in keys}) == 1:  # stack: offsets with a layer index
             shape = (L, *ours.keys[keys[0]].shape)
             for i, k in enumerate(sorted(keys, key=lambda k: int(k.split(".")[2]))):
                 for off, size in ours.keys[k].chunks:
@@ -371,3 +457,25 @@ def test_megatron_to_hf_reads_stacked_layers(tmp_path, megatron):
     assert "decoder.layers.mlp.experts.experts.linear_fc1.weight" in TorchDistCheckpoint.open(out).keys
     megatron_to_hf(out, tmp_path / "back", HFCheckpoint.open(TINY["mixed"]), scales="keep", progress=False)
     assert _differing(TINY["mixed"], tmp_path / "back") == []
+
+
+def test_megatron_experts_must_be_bf16(tmp_path, megatron):
+    """Experts stored in another dtype are refused by name (no implicit casts)."""
+    from inkling_ckpt.convert.megatron import megatron_to_hf
+    from inkling_ckpt.errors import CheckpointError
+    from inkling_ckpt.layouts.megatron import ChunkItem, common_state, finish_iteration_dir, write_dcp
+
+    ours = TorchDistCheckpoint.open(megatron["bf16"])
+    bad = "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"
+    chunks = [ChunkItem(k, off, size, st.shape, torch.float32 if k == bad else st.dtype, 0)
+              for k, st in ours.keys.items() for off, size in st.chunks]
+
+    def produce(c: ChunkItem):
+        t = ours.read_chunk(c.key, c.offsets)
+        return t.float() if c.key == bad else t
+
+    write_dcp(tmp_path / "f32", chunks, [], produce)
+    finish_iteration_dir(tmp_path / "f32", common_state())
+    with pytest.raises(CheckpointError, match=f"{re.escape(bad)} is F32; routed experts must be BF16"):
+        megatron_to_hf(tmp_path / "f32", tmp_path / "back", HFCheckpoint.open(TINY["bf16"]), progress=False)
+    assert not (tmp_path / "back").exists()

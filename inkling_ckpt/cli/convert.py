@@ -98,6 +98,7 @@ def hf_to_megatron_cmd(
     src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
     dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
     preset: str = PRESET_OPT,
+    allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
     dry_run: bool = DRY_RUN_OPT,
@@ -119,7 +120,7 @@ def hf_to_megatron_cmd(
     _steady_memory()
     with _torchrun():
         ckpt = HFCheckpoint.open(src)
-        result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), force=force,
+        result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
                                 progress=not quiet and _rank() == 0)
         if _rank() == 0:
             report(result, "conversion")

@@ -267,7 +267,12 @@ class _UnitWriter(FileSystemWriter):
                 if isinstance(data, io.BytesIO):
                     f.write(data.getbuffer())
                 else:
-                    torch.save(data, f)
+                    try:
+                        torch.save(data, f)
+                    except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
+                        if isinstance(e.__context__, OSError):
+                            raise e.__context__ from None
+                        raise
                 length = f.tell() - start
                 results.append(WriteResult(index=wi.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, start, length)))

@@ -35,7 +35,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .config import InklingConfig
 from .inventory import (
-    EXPERTS, LAYER, SLIDING, FULL, BOTH, TEXT, TEXT_ROWS, Row, Scope, inventory, is_vision, match_name,
+    EXPERTS, LAYER, FULL, BOTH, TEXT, TEXT_ROWS, Row, Scope, inventory, is_vision, match_name,
 )
 from .precision import PrecisionPlan
 
@@ -441,5 +441,5 @@ def stored_shape_ok(e: Entry, shape: Sequence[int]) -> bool:
 
 __all__ = [
     "Copy", "Experts", "ExtraState", "Preset", "MILES", "BRIDGE", "PRESETS", "DEFAULT_PRESET", "get_preset",
-    "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok", "SLIDING",
+    "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok",
 ]
