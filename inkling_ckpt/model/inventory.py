@@ -285,7 +285,7 @@ def vision_specs(cfg: InklingConfig) -> list[TensorSpec]:
         shape = tuple(dims[s] for s in row.shape)
         for j in (range(cfg.vision.num_hidden_layers) if row.scope is Scope.VISION_LAYER else [None]):
             out.append(TensorSpec(row.name(vlayer=j), shape, row.dtype, row.category, row))
-    return out
+    return sorted(out, key=lambda s: s.name)  # the order a checkpoint's vision tensors are read back in
 
 
 def parameter_count(specs: Sequence[TensorSpec], cfg: InklingConfig) -> int:

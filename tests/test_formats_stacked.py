@@ -1,0 +1,163 @@
+"""Stacked, interleaved experts in the release layout, checked against transformers' own dequantizer.
+
+transformers 5.24's ``Inkling2LoopDequantizeExperts`` (core_model_loading.py) is the loader of the
+Inkling 2 family's NVFP4/MXFP8 stacked experts: decoding must match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from _tiny_tf import transformers_or_skip
+from inkling_ckpt.errors import FormatError, NonFiniteError
+from inkling_ckpt.formats import get_format
+from inkling_ckpt.formats.stacked import (
+    AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave, encode_stacked, format_of_parts,
+    interleave, stacked_parts,
+)
+
+
+def _w(e=6, r=32, c=64, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(e, r, c, generator=g) * scale
+    w[1] *= 1e-3  # experts of very different ranges: per-expert global factors matter
+    w[2, 3, :16] = 0  # an all-zero block
+    return w.to(torch.bfloat16)
+
+
+def _transformers_decode(parts, fmt, dtype=torch.bfloat16):
+    transformers_or_skip()
+    from transformers.core_model_loading import Inkling2LoopDequantizeExperts
+
+    class _Model:  # the op asks the model for the target dtype
+        def get_parameter(self, name):
+            return torch.empty(0, dtype=dtype)
+
+    names = ["w", "s", "a", "d"]
+    inputs = {"w": parts[WEIGHT], "s": parts[SCALE]}
+    if fmt == "nvfp4":
+        inputs.update(a=parts[AMAX], d=parts[DENOM])
+    out = Inkling2LoopDequantizeExperts().convert(inputs, names, ["t"], model=_Model(), full_layer_name="x")
+    return out["t"]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_is_bit_identical_to_transformers(fmt, dtype):
+    parts = encode_stacked(fmt, _w(scale=3.0), name="w13")
+    ours = decode_stacked(fmt, parts, dtype)
+    theirs = _transformers_decode(parts, fmt, dtype)
+    assert ours.dtype == theirs.dtype == dtype
+    assert torch.equal(ours.view(torch.uint8), theirs.contiguous().view(torch.uint8))
+
+
+def test_nvfp4_denominator_accepted_as_vector_on_read():
+    parts = encode_stacked("nvfp4", _w(), name="w")
+    vec = dict(parts, **{DENOM: torch.full((6,), NVFP4_DENOMINATOR)})
+    assert torch.equal(decode_stacked("nvfp4", parts), decode_stacked("nvfp4", vec))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+def test_parts_match_the_release_table(fmt):
+    spec = stacked_parts(fmt, (6, 32, 64))
+    parts = encode_stacked(fmt, _w(), name="w")
+    assert list(parts) == list(spec)
+    assert {k: (tuple(v.shape), v.dtype) for k, v in parts.items()} == spec
+    assert format_of_parts({k: dt for k, (_, dt) in spec.items()}) == fmt
+    if fmt == "nvfp4":
+        assert float(parts[DENOM]) == 2688.0 and parts[DENOM].shape == ()
+
+
+def test_nvfp4_stacked_equals_per_expert_modelopt_encode():
+    """Per expert: the same bytes as the reference codec with weight_scale_2 = amax / 2688."""
+    w = _w()
+    parts = encode_stacked("nvfp4", w, name="w")
+    ref = get_format("nvfp4", fast=False)
+    for e in range(w.shape[0]):
+        p = ref.encode(w[e])
+        assert torch.equal(p["weight"], parts[WEIGHT][e])
+        assert torch.equal(p["weight_scale"].view(torch.uint8), parts[SCALE][e].view(torch.uint8))
+        assert float(p["weight_scale_2"]) == float(parts[AMAX][e] / parts[DENOM])
+
+
+def test_gate_and_up_share_one_global_factor_per_expert():
+    gate, up = _w(seed=1), _w(seed=2) * 4
+    w13 = interleave(gate, up)
+    parts = encode_stacked("nvfp4", w13, name="w13")
+    want = torch.maximum(gate.float().abs().amax(dim=(1, 2)), up.float().abs().amax(dim=(1, 2)))
+    assert torch.equal(parts[AMAX], want)
+    g, u = deinterleave(w13)
+    assert torch.equal(g, gate) and torch.equal(u, up)
+    # block scales are interleaved exactly like the rows: encoding gate alone gives the even rows
+    gate_only = encode_stacked("mxfp8", gate, name="g")
+    assert torch.equal(encode_stacked("mxfp8", w13, name="w")[SCALE][:, 0::2], gate_only[SCALE])
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sampled_from(["nvfp4", "mxfp8"]), st.integers(0, 2**31 - 1), st.integers(1, 4))
+def test_encode_decode_encode_is_stable(fmt, seed, e):
+    """decode(encode(decode(q))) == decode(q); NVFP4 keeps its very bytes (up to the sign of zero).
+
+    MXFP8 bytes may differ where a block's largest element rounded down (it re-encodes one scale
+    lower, same values): the keep-scales paths restore those bytes from the reference.
+    """
+    parts = encode_stacked(fmt, _w(e=e + 2, seed=seed), name="w")
+    values = decode_stacked(fmt, parts, torch.float32)
+    again = encode_stacked(fmt, values, name="w", amax=parts.get(AMAX))
+    assert torch.equal(decode_stacked(fmt, again, torch.float32).abs(), values.abs())
+    if fmt == "mxfp8":
+        return
+    for k in parts:
+        a, b = parts[k], again[k]
+        if k == WEIGHT and fmt == "nvfp4":
+            # -0 codes (0x8) decode to -0.0, which encodes as +0 (0x0): compare magnitudes there
+            a, b = a & 0x77, b & 0x77
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b), k
+
+
+def test_slices_decode_like_the_whole():
+    parts = encode_stacked("nvfp4", _w(), name="w")
+    whole = decode_stacked("nvfp4", parts)
+    part = {k: (v if v.dim() == 0 else v[2:5]) for k, v in parts.items()}
+    assert torch.equal(decode_stacked("nvfp4", part), whole[2:5])
+
+
+def test_all_zero_expert_stores_a_usable_amax():
+    w = _w()
+    w[0] = 0
+    parts = encode_stacked("nvfp4", w, name="w")
+    assert float(parts[AMAX][0]) == 1.0
+    assert torch.count_nonzero(decode_stacked("nvfp4", parts)[0]) == 0
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_bad_nvfp4_global_factor_is_refused_unless_allowed(bad):
+    parts = encode_stacked("nvfp4", _w(), name="layers.0.w13_weight")
+    parts[AMAX] = parts[AMAX].clone()
+    parts[AMAX][3] = bad
+    with pytest.raises(NonFiniteError, match="expert 3"):
+        decode_stacked("nvfp4", parts, name="layers.0.w13_weight")
+    decode_stacked("nvfp4", parts, allow_nonfinite=True)
+
+
+@pytest.mark.parametrize("byte", [0xFF, 0x7F, 0xB8])
+def test_bad_block_scales_are_refused_naming_the_block(byte):
+    fmt = "mxfp8" if byte == 0xFF else "nvfp4"
+    parts = encode_stacked(fmt, _w(), name="w")
+    sc = parts[SCALE].clone()
+    sc.view(torch.uint8)[1, 2, 1] = byte
+    parts[SCALE] = sc
+    with pytest.raises(NonFiniteError, match=r"\(1, 2, 1\)"):
+        decode_stacked(fmt, parts, name="w")
+
+
+def test_no_silent_casts_and_bad_shapes():
+    with pytest.raises(FormatError, match="not torch.bfloat16"):
+        encode_stacked("bf16", _w().float(), name="w")
+    with pytest.raises(FormatError, match="block size 16"):
+        stacked_parts("nvfp4", (2, 4, 24))
+    with pytest.raises(FormatError, match="float32"):
+        encode_stacked("nvfp4", _w(), name="w", amax=torch.ones(6, dtype=torch.float64))
