@@ -26,7 +26,7 @@ from inkling_ckpt.model.config import InklingConfig
 TEXT = dict(vocab_size=256, unpadded_vocab_size=250, hidden_size=64, num_hidden_layers=4,
             num_attention_heads=8, num_key_value_heads=2, head_dim=8,
             swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=16,
-            sliding_window_size=32, rel_extent=48, d_rel=8, moe_intermediate_size=64, n_routed_experts=8,
+            sliding_window_size=32, rel_extent=48, d_rel=8, conv_kernel_size=4, moe_intermediate_size=64, n_routed_experts=8,
             num_experts_per_tok=2, n_layers_per_attn_res_block=2, eos_token_id=2,
             layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"])
 VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4, posemb_grid_size=4,
@@ -83,3 +83,48 @@ def write_variants(model, work: Path) -> dict[str, Path]:
         (dst / "generation_config.json").write_bytes((bf16 / "generation_config.json").read_bytes())
         out[variant] = dst
     return out
+
+
+# ---- pytest fixtures shared by the shard / memory tests ----------------------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_release(tmp_path_factory):
+    """{"model": transformers' BF16 model, "bf16" / "mixed" / "mxfp8": checkpoint folders}."""
+    pytest.importorskip("transformers")
+    work = tmp_path_factory.mktemp("release")
+    model = transformers_model(work)
+    return {"model": model, **write_variants(model, work)}
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run the CLI in-process with the shard and memory commands; returns (exit code, stdout, stderr).
+
+    Only these two commands are registered: the others are being rewritten for the release layout
+    on other branches and may not import here.
+    """
+    import inkling_ckpt.cli.app as app
+
+    def register() -> None:
+        from inkling_ckpt.cli import memory, shard  # noqa: F401
+
+    monkeypatch.setattr(app, "_register", register)
+
+    def run(*args: object) -> tuple[int, str, str]:
+        try:
+            app.main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def tiny_config(**text) -> InklingConfig:
+    """The tiny release config (no transformers needed), with text_config overrides."""
+    return InklingConfig.from_dict({"text_config": {**TEXT, **text}, "vision_config": VISION})

@@ -1,4 +1,6 @@
-"""shard -> merge round trips, each rank's slices against an independent oracle, bad input."""
+"""shard -> merge on release checkpoints written by transformers: byte-identical round trips,
+each rank's slices against an oracle written from parallel.md and against transformers' own
+model, streaming in row blocks, and bad input."""
 
 from __future__ import annotations
 
@@ -9,49 +11,67 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from inkling_ckpt.cli.app import main
+from _release_tiny import cli, tiny_release  # noqa: F401  (pytest fixtures)
 from inkling_ckpt.errors import CheckpointError, IntegrityError, PlanError
+from inkling_ckpt.formats.stacked import decode_stacked
 from inkling_ckpt.layouts.hf import HFCheckpoint, read_header
-from inkling_ckpt.layouts.sharded import MANIFEST, merge, shard
+from inkling_ckpt.layouts.sharded import MANIFEST, ShardedCheckpoint, merge, shard
 
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
-VARIANTS = ["bf16", "mixed", "mxfp8"]
+L = "model.llm.layers"
 
 
 def _files(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in root.iterdir() if p.is_file() and not p.name.startswith(".")}
 
 
-def expected_slice(name: str, t: torch.Tensor, rank: int, tp: int, ep: int, cfg) -> torch.Tensor | None:
+def expected_slice(name: str, t: torch.Tensor, rank: int, tp: int, ep: int, cfg) -> torch.Tensor:
     """What rank ``rank`` must hold of tensor ``name``: written from parallel.md, not from the plan code."""
-    def rows(x, n, i):
-        step = x.shape[0] // n
-        return x[i * step:(i + 1) * step]
+    def cut(x, dim, n, i):
+        step = x.shape[dim] // n
+        return x.narrow(dim, i * step, step)
 
-    def cols(x, n, i):
-        step = x.shape[-1] // n
-        return x[..., i * step:(i + 1) * step]
-
-    kv = cfg.num_key_value_heads
+    moe_tp = tp // ep
     if ".mlp.experts." in name:
-        e = int(name.split(".mlp.experts.")[1].split(".")[0])
-        moe_tp = tp // ep
-        if rank // moe_tp != e // (cfg.n_routed_experts // ep):
-            return None
-        if t.dim() == 0 or moe_tp == 1:
+        part = name.split("_weight", 1)[1]
+        if part == "_outer_scale_denominator":
             return t
-        return rows(t, moe_tp, rank % moe_tp) if ("gate_proj" in name or "up_proj" in name) else cols(t, moe_tp, rank % moe_tp)
-    leaf = name.rsplit(".", 2)[-2]
-    if "visual" in name:
+        x = cut(t, 0, ep, rank // moe_tp)
+        if part == "_amax" or moe_tp == 1:
+            return x
+        return cut(x, 1 if ".w13_weight" in name else 2, moe_tp, rank % moe_tp)
+    if name.startswith("model.visual."):
         return t
-    if leaf in ("q_proj", "g_proj", "sink_proj", "rel_bias", "embed_tokens", "lm_head", "eh_proj") or \
-            (name.startswith("mtp.") and leaf in ("gate_proj", "up_proj")):
-        return rows(t, tp, rank)
-    if leaf == "o_proj" or (name.startswith("mtp.") and leaf == "down_proj"):
-        return cols(t, tp, rank)
-    if leaf in ("k_proj", "v_proj", "k_conv", "v_conv"):
-        return rows(t, tp, rank) if tp <= kv else rows(t, kv, rank // (tp // kv))
-    return t
+    if name.endswith(("embed.weight", "unembed.weight")):
+        return cut(t, 0, tp, rank)
+    if ".attn." not in name:
+        return t
+    d = cfg.layer_dims(int(name.split(".")[3]))
+    leaf = name.split(".attn.")[1]
+    if leaf in ("wq_du.weight", "gate_attn.weight", "attn_sink_proj.weight", "wr_du.weight", "q_l2_clip.scale",
+                "rel_l2_clip.scale"):
+        return cut(t, 0, tp, rank)
+    if leaf == "wo_ud.weight":
+        return cut(t, 1, tp, rank)
+    if leaf.startswith(("wk_dv", "wv_dv", "k_sconv", "v_sconv")):
+        dim = 1 if leaf.endswith("static_w") else 0
+        return cut(t, dim, tp, rank) if tp <= d.kv_heads else cut(t, dim, d.kv_heads, rank // (tp // d.kv_heads))
+    return t  # rel_logits_proj.proj
+
+
+def _rank_tensors(d: Path) -> dict[str, torch.Tensor]:
+    index = json.loads((d / "model.safetensors.index.json").read_text())
+    held = {}
+    for f in sorted(set(index["weight_map"].values())):
+        with safe_open(str(d / f), framework="pt") as h:
+            for k in h.keys():
+                held[k] = h.get_tensor(k)
+    assert set(held) == set(index["weight_map"])
+    return held
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def _check_ranks(src: Path, dst: Path, tp: int, ep: int) -> None:
@@ -60,129 +80,222 @@ def _check_ranks(src: Path, dst: Path, tp: int, ep: int) -> None:
     assert man["plan"] == {**man["plan"], "tp": tp, "ep": ep, "moe_tp": tp // ep}
     for rank in range(tp):
         d = dst / f"rank-{rank:02d}"
-        index = json.loads((d / "model.safetensors.index.json").read_text())
-        assert index["metadata"]["tp_rank"] == rank
-        held = {}
-        for f in set(index["weight_map"].values()):
-            with safe_open(str(d / f), framework="pt") as h:
-                for k in h.keys():
-                    held[k] = h.get_tensor(k)
-        want = {}
+        meta = json.loads((d / "model.safetensors.index.json").read_text())["metadata"]
+        assert (meta["tp_rank"], meta["ep_rank"], meta["moe_tp_rank"]) == (rank, rank // (tp // ep), rank % (tp // ep))
+        held = _rank_tensors(d)
+        assert set(held) == set(ckpt.tensors), f"rank {rank}"  # every rank holds a piece of every tensor
         for name in ckpt.tensors:
-            s = expected_slice(name, ckpt.get(name), rank, tp, ep, ckpt.cfg)
-            if s is not None:
-                want[name] = s
-        assert set(held) == set(want), f"rank {rank}"
-        for name, s in want.items():
-            assert held[name].dtype == s.dtype and held[name].shape == s.shape, name
-            assert torch.equal(held[name].reshape(-1).view(torch.uint8), s.contiguous().reshape(-1).view(torch.uint8)), name
+            assert _same(held[name], expected_slice(name, ckpt.get(name), rank, tp, ep, ckpt.cfg)), (rank, name)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("tp", [1, 2, 4, 8])
-def test_shard_merge_byte_identical(variant, tp, tmp_path):
-    src = FIXTURES / f"tiny-{variant}"
-    res = shard(src, tmp_path / "sh", tp, tp, max_shard_size="1MB", progress=False)
-    assert sum(res.rank_bytes) >= res.source_bytes > 0
-    if tp > 1:  # every rank against the independent oracle
-        _check_ranks(src, tmp_path / "sh", tp, tp)
+CASES = [("bf16", 1, 1), ("bf16", 2, 2), ("bf16", 4, 4), ("bf16", 4, 1), ("bf16", 4, 2), ("mixed", 2, 2),
+         ("mixed", 4, 4), ("mxfp8", 2, 1), ("mxfp8", 4, 2), ("mxfp8", 4, 4)]
+
+
+@pytest.mark.parametrize("variant,tp,ep", CASES)
+def test_shard_merge_byte_identical(tiny_release, variant, tp, ep, tmp_path):
+    src = tiny_release[variant]
+    res = shard(src, tmp_path / "sh", tp, ep, max_shard_size="100KB", progress=False)
+    assert sum(res.rank_bytes) >= res.source_bytes > 0 and len(res.rank_bytes) == tp
+    _check_ranks(src, tmp_path / "sh", tp, ep)
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
 
 
-@pytest.mark.parametrize("variant", ["bf16", "mxfp8"])
-def test_moe_tp_split_works_on_mxfp8_and_bf16(variant, tmp_path):
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+
+
+@pytest.mark.parametrize("variant,tp,ep", [("bf16", 4, 4), ("bf16", 2, 1), ("mixed", 2, 2), ("mxfp8", 4, 2)])
+def test_bundled_fixtures_round_trip(variant, tp, ep, tmp_path):
     src = FIXTURES / f"tiny-{variant}"
-    shard(src, tmp_path / "sh", 4, 2, progress=False)
-    _check_ranks(src, tmp_path / "sh", 4, 2)
+    shard(src, tmp_path / "sh", tp, ep, progress=False)
+    _check_ranks(src, tmp_path / "sh", tp, ep)
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
 
 
-def test_moe_tp_split_refused_on_mixed_with_the_reason(tmp_path):
+def test_rank_folders_are_slices_of_the_transformers_model(tiny_release, tmp_path):
+    """Each rank's tensors equal the TP/EP slices of the parameters transformers loads (tp 4, ep 2)."""
+    sd = tiny_release["model"].state_dict()
+    shard(tiny_release["bf16"], tmp_path / "sh", 4, 2, progress=False)
+    T = "model.language_model"
+    F, f = 64, 32  # moe_intermediate_size, its half per moe-TP rank
+    for rank in range(4):
+        held = _rank_tensors(tmp_path / "sh" / f"rank-{rank:02d}")
+        kv, e0, j = rank // 2, (rank // 2) * 4, rank % 2  # full layers: 2 KV heads; 4 experts per EP rank
+        full, swa = f"{T}.layers.1", f"{T}.layers.0"
+        pairs = {  # on-disk name -> the transformers tensor's slice this rank holds
+            f"{L}.1.attn.wq_du.weight": sd[f"{full}.self_attn.q_proj.linear.weight"][16 * rank:16 * rank + 16],
+            f"{L}.1.attn.wk_dv.weight": sd[f"{full}.self_attn.k_proj.linear.weight"][8 * kv:8 * kv + 8],
+            f"{L}.1.attn.k_sconv.static_w": sd[f"{full}.self_attn.k_proj.sconv.static_weight"][:, 8 * kv:8 * kv + 8],
+            f"{L}.1.attn.v_sconv.weight_proj": sd[f"{full}.self_attn.v_proj.sconv.weight_proj.weight"][4 * kv:4 * kv + 4],
+            f"{L}.1.attn.wo_ud.weight": sd[f"{full}.self_attn.o_proj.linear.weight"][:, 16 * rank:16 * rank + 16],
+            f"{L}.1.attn.gate_attn.weight": sd[f"{full}.self_attn.o_proj.gate_proj.weight"][16 * rank:16 * rank + 16],
+            f"{L}.1.attn.attn_sink_proj.weight": sd[f"{full}.self_attn.sink_proj.weight"][2 * rank:2 * rank + 2],
+            f"{L}.1.attn.wr_du.weight": sd[f"{full}.self_attn.relative_position_bias.linear.weight"][16 * rank:16 * rank + 16],
+            f"{L}.1.attn.rel_logits_proj.proj": sd[f"{full}.self_attn.relative_position_bias.proj"],
+            f"{L}.0.attn.wq_du.weight": sd[f"{swa}.self_attn.q_proj.linear.weight"][16 * rank:16 * rank + 16],
+            f"{L}.0.attn.wk_dv.weight": sd[f"{swa}.self_attn.k_proj.linear.weight"][16 * rank:16 * rank + 16],
+            f"{L}.0.attn.k_sconv.weight": sd[f"{swa}.self_attn.k_proj.sconv.conv1d.weight"][16 * rank:16 * rank + 16],
+            f"{L}.1.mlp.gate.weight": sd[f"{full}.mlp.gate.weight"],
+            f"{L}.1.mlp.gate.bias": sd[f"{full}.mlp.gate.e_score_correction_bias"],
+            f"{L}.1.mlp.experts.w2_weight": sd[f"{full}.mlp.experts.down_proj"][e0:e0 + 4, :, j * f:j * f + f],
+            "model.llm.embed.weight": sd[f"{T}.embed_tokens.weight"][64 * rank:64 * rank + 64],
+            "model.llm.attn_res.attn_queries.0": sd[f"{full}.attention_input.query"],
+            "model.visual.proj_out.weight": sd["model.vision_tower.merger.linear_2.weight"],
+        }
+        for name, want in pairs.items():
+            assert _same(held[name], want), (rank, name)
+        # w13: this rank's rows are whole (gate, up) pairs: de-interleaved, the moe-TP slices of gate and up
+        gate_up = sd[f"{full}.mlp.experts.gate_up_proj"][e0:e0 + 4]  # transformers holds [gate; up]
+        w13 = held[f"{L}.1.mlp.experts.w13_weight"]
+        assert _same(w13[:, 0::2], gate_up[:, j * f:j * f + f]) and _same(w13[:, 1::2], gate_up[:, F + j * f:F + j * f + f])
+        # unembed: transformers drops the zero padding rows (>= 250); rank 3 holds rows 192..255
+        lm = sd["lm_head.weight"]
+        un = held["model.llm.unembed.weight"]
+        real = min(64, max(0, 250 - 64 * rank))
+        assert _same(un[:real], lm[64 * rank:64 * rank + real]) and not un[real:].any()
+
+
+def test_moe_tp_block_scales_follow_their_rows(tiny_release, tmp_path):
+    """MXFP8 at tp 4, ep 2: a rank's (w13, scale) decodes to its moe-TP slice of the decoded layer."""
+    src = HFCheckpoint.open(tiny_release["mxfp8"])
+    shard(tiny_release["mxfp8"], tmp_path / "sh", 4, 2, progress=False)
+    base = f"{L}.2.mlp.experts"
+    whole = {k: decode_stacked("mxfp8", {"": src.get(f"{base}.{k}_weight"), "_scale": src.get(f"{base}.{k}_weight_scale")})
+             for k in ("w13", "w2")}
+    for rank in range(4):
+        held = _rank_tensors(tmp_path / "sh" / f"rank-{rank:02d}")
+        e0, j = (rank // 2) * 4, rank % 2
+        for k in ("w13", "w2"):
+            got = decode_stacked("mxfp8", {"": held[f"{base}.{k}_weight"], "_scale": held[f"{base}.{k}_weight_scale"]})
+            want = whole[k][e0:e0 + 4, 64 * j:64 * j + 64] if k == "w13" else whole[k][e0:e0 + 4, :, 32 * j:32 * j + 32]
+            assert torch.equal(got, want), (rank, k)
+
+
+def test_tensors_move_in_row_blocks_and_ep_slices_read_only_their_rank(tiny_release, tmp_path, monkeypatch):
+    import inkling_ckpt.layouts.sharded as sharded
+
+    src = tiny_release["mixed"]
+    monkeypatch.setattr(sharded, "CHUNK_BYTES", 2048)
+    reads: list[str] = []
+    real = HFCheckpoint.read_rows
+
+    def spy(self, name, start, stop):
+        st = self.tensors[name]
+        row = st.nbytes // st.shape[0] if st.shape else st.nbytes
+        assert (stop - start) * row <= max(2048, row), name  # one block, never a whole layer
+        reads.append(name)
+        return real(self, name, start, stop)
+
+    monkeypatch.setattr(HFCheckpoint, "read_rows", spy)
+    shard(src, tmp_path / "sh", 4, 4, progress=False)
+    monkeypatch.setattr(HFCheckpoint, "read_rows", real)
+    assert len(reads) > len(HFCheckpoint.open(src).tensors)  # large tensors came in several blocks
+    merge(tmp_path / "sh", tmp_path / "back", progress=False)  # blocks both ways
+    assert _files(tmp_path / "back") == _files(src)
+
+    sc = ShardedCheckpoint.open(tmp_path / "sh")
+    ranks: list[int] = []
+    real_local = ShardedCheckpoint._local_rows
+    monkeypatch.setattr(ShardedCheckpoint, "_local_rows", lambda self, r, *a: (ranks.append(r), real_local(self, r, *a))[1])
+    w13 = f"{L}.3.mlp.experts.w13_weight"
+    got = sc.read_rows(w13, 4, 6)  # experts 4, 5: EP rank 2's
+    assert set(ranks) == {2} and _same(got, HFCheckpoint.open(src).read_rows(w13, 4, 6))
+    ranks.clear()
+    assert _same(sc.read_rows(w13, 1, 5), HFCheckpoint.open(src).read_rows(w13, 1, 5)) and set(ranks) == {0, 1, 2}
+    sc.close()
+
+
+def test_sharded_folder_reads_back_as_the_source(tiny_release, tmp_path):
+    src = HFCheckpoint.open(tiny_release["mxfp8"])
+    shard(tiny_release["mxfp8"], tmp_path / "sh", 4, 2, progress=False)
+    sc = ShardedCheckpoint.open(tmp_path / "sh")
+    assert sc.plan == src.plan and sc.cfg == src.cfg
+    assert [(s.name, s.shape, s.dtype, s.part) for s in sorted(sc.expected(), key=lambda s: s.name)] == \
+        [(s.name, s.shape, s.dtype, s.part) for s in sorted(src.expected(), key=lambda s: s.name)]
+    for name in src.tensors:
+        assert _same(sc.get(name), src.get(name)), name
+    assert set(sc.extra_files()) == {"generation_config.json"}
+    sc.close()
+
+
+def test_moe_tp_split_refused_on_mixed_with_the_reason(tiny_release, tmp_path):
     with pytest.raises(PlanError, match="NVFP4 experts cannot be TP-sharded.*moe_tp 2"):
-        shard(FIXTURES / "tiny-mixed", tmp_path / "sh", 4, 2, progress=False)
+        shard(tiny_release["mixed"], tmp_path / "sh", 4, 2, progress=False)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_manifest_records_rules_ownership_and_checksums(tmp_path):
-    shard(FIXTURES / "tiny-mixed", tmp_path / "sh", 4, 4, progress=False)
+def test_manifest_records_rules_ownership_and_checksums(tiny_release, tmp_path):
+    shard(tiny_release["mxfp8"], tmp_path / "sh", 4, 2, progress=False)
     man = json.loads((tmp_path / "sh" / MANIFEST).read_text())
-    assert man["experts"]["1"] == {"experts": [2, 4], "ranks": [1]}
-    q = man["tensors"]["model.language_model.layers.0.self_attn.q_proj.weight"]
-    assert q["shape"] == [256, 256] and q["split"] == "q_heads" and q["dim"] == 0 and q["holders"] == [0, 1, 2, 3]
-    k = man["tensors"]["model.language_model.layers.0.self_attn.k_proj.weight"]
+    assert man["experts"]["1"] == {"experts": [4, 8], "ranks": [2, 3]}
+    q = man["tensors"][f"{L}.1.attn.wq_du.weight"]
+    assert (q["shape"], q["local_shape"], q["split"], q["dim"], q["holders"]) == ([64, 64], [16, 64], "q_heads", 0, [0, 1, 2, 3])
+    k = man["tensors"][f"{L}.1.attn.wk_dv.weight"]
     assert k["pieces"] == 2 and k["holders"] == [0, 0, 1, 1]
+    w13 = man["tensors"][f"{L}.1.mlp.experts.w13_weight"]
+    assert (w13["dim"], w13["pieces"], w13["holders"]) == (0, 2, [0, 0, 1, 1])
+    assert w13["inner"] == {"dim": 1, "pieces": 2, "holders": [0, 1, 0, 1]} and w13["local_shape"] == [4, 64, 64]
+    assert man["rules"][f"{L}.{{layer}}.mlp.experts.w13_weight"]["pairs"] is True
     for rel, info in man["files"].items():
         assert (tmp_path / "sh" / rel).stat().st_size == info["bytes"] and len(info["sha256"]) == 64
     assert all(r["bytes"] > 0 for r in man["ranks"])
 
 
-def test_rank_bytes_match_memory_report_and_files(tmp_path):
+def test_rank_bytes_match_memory_report_and_files(tiny_release, tmp_path):
     from inkling_ckpt.plan.memory import memory_report
 
-    src = FIXTURES / "tiny-mixed"
+    src = tiny_release["mixed"]
     res = shard(src, tmp_path / "sh", 2, 2, progress=False)
     ckpt = HFCheckpoint.open(src)
     rep = memory_report(ckpt.cfg, ckpt.plan, ckpt.expected(), 2, 2, source="x")
     for r in range(2):
         d = tmp_path / "sh" / f"rank-{r:02d}"
-        actual = sum(t[1].itemsize * int(torch.tensor(t[0]).prod()) if t[0] else t[1].itemsize
-                     for f in d.glob("*.safetensors") for t in read_header(f).values())
+        actual = sum(dtype.itemsize * int(torch.tensor(shape).prod()) for f in d.glob("*.safetensors")
+                     for shape, dtype, _ in read_header(f).values())
         assert actual == rep["ranks"][r]["bytes"] == res.rank_bytes[r]
 
 
-def _cli(argv, capsys):
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    out = capsys.readouterr()
-    return e.value.code, out.out, out.err
-
-
 @pytest.mark.parametrize("args,msg", [
-    (["--tp", "8", "--ep", "3"], "--ep 3 does not divide --tp 8"),
-    (["--tp", "3", "--ep", "3"], "--ep 3 does not divide the 8 routed experts"),
-    (["--tp", "6", "--ep", "2"], "--tp 6 does not divide the 8 attention heads"),
+    (["--tp", "4", "--ep", "3"], "--ep 3 does not divide --tp 4"),
+    (["--tp", "3", "--ep", "1"], "--tp 3 does not divide the 4 attention heads"),
+    (["--tp", "8", "--ep", "8"], "--tp 8 does not divide the 4 attention heads"),
     (["--tp", "4", "--ep", "2"], "NVFP4 experts cannot be TP-sharded"),
 ])
-def test_cli_bad_plans_one_line_nothing_published(args, msg, tmp_path, capsys):
-    code, _, err = _cli(["shard", str(FIXTURES / "tiny-mixed"), str(tmp_path / "out"), *args, "-q"], capsys)
+def test_cli_bad_plans_one_line_nothing_published(tiny_release, cli, args, msg, tmp_path):
+    code, _, err = cli("shard", tiny_release["mixed"], tmp_path / "out", *args, "-q")
     assert code != 0 and msg in err and err.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_vocab_not_divisible(tmp_path, capsys):
-    cfg = json.loads((FIXTURES / "tiny-bf16" / "config.json").read_text())
-    cfg["text_config"]["vocab_size"] = 500
-    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
-    code, _, err = _cli(["memory", str(tmp_path / "cfg.json"), "--variant", "bf16", "--tp", "8", "--ep", "8"], capsys)
-    assert code != 0 and "vocabulary of 500 rows" in err
-
-
-def test_cli_dry_run_reads_no_data_and_writes_nothing(tmp_path, capsys):
-    code, out, _ = _cli(["shard", str(FIXTURES / "tiny-mixed"), str(tmp_path / "out"), "--tp", "4", "--ep", "4",
-                         "--dry-run"], capsys)
-    assert code == 0 and "EP rank 3: experts 6-7 on ranks [3]" in out and "split by query heads" in out
+def test_cli_shard_dry_run_and_merge(tiny_release, cli, tmp_path):
+    src = tiny_release["mxfp8"]
+    code, out, _ = cli("shard", src, tmp_path / "out", "--tp", "4", "--ep", "2", "--dry-run")
+    assert code == 0 and "EP rank 1: experts 4-7 on ranks [2, 3]" in out and "whole (gate, up) pairs" in out
     assert "bytes per rank" in out and not (tmp_path / "out").exists()
-    code, out, _ = _cli(["shard", str(FIXTURES / "tiny-mixed"), "--tp", "2", "--ep", "2", "--dry-run", "--json"], capsys)
+    code, out, _ = cli("shard", src, "--tp", "2", "--ep", "2", "--dry-run", "--json")
     info = json.loads(out)
     assert code == 0 and len(info["ranks"]) == 2 and info["plan"]["moe_tp"] == 1
+    code, out, _ = cli("shard", src, tmp_path / "sh", "--tp", "2", "--ep", "1", "-q")
+    assert code == 0 and "2 ranks" in out
+    code, out, _ = cli("shard", "--merge", tmp_path / "sh", tmp_path / "back", "-q")
+    assert code == 0 and "byte-identical" in out and _files(tmp_path / "back") == _files(src)
 
 
-def test_merge_refuses_truncated_or_corrupted_ranks(tmp_path, capsys):
+def test_merge_refuses_truncated_or_corrupted_ranks(tiny_release, cli, tmp_path):
     sh = tmp_path / "sh"
-    shard(FIXTURES / "tiny-mxfp8", sh, 2, 2, progress=False)
+    shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)
     f = sorted((sh / "rank-01").glob("*.safetensors"))[0]
     data = f.read_bytes()
-    # same size, one byte flipped: only the checksum can tell
-    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
-    code, _, err = _cli(["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"], capsys)
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one byte flipped: only the checksum can tell
+    code, _, err = cli("shard", "--merge", sh, tmp_path / "out", "-q")
     assert code != 0 and "does not match the manifest" in err and err.count("\n") == 1
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    assert not (tmp_path / "out").exists()
     with pytest.raises(IntegrityError):
         merge(sh, tmp_path / "out", progress=False)
     f.write_bytes(data[: len(data) // 2])  # truncated
-    code, _, err = _cli(["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"], capsys)
+    code, _, err = cli("shard", "--merge", sh, tmp_path / "out", "-q")
     assert code != 0 and "truncated" in err and not (tmp_path / "out").exists()
     f.unlink()  # missing
     with pytest.raises(CheckpointError, match="missing"):
@@ -190,15 +303,40 @@ def test_merge_refuses_truncated_or_corrupted_ranks(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_merge_of_a_non_sharded_folder(tmp_path, capsys):
-    code, _, err = _cli(["shard", "--merge", str(FIXTURES / "tiny-bf16"), str(tmp_path / "out")], capsys)
+def test_merge_of_a_non_sharded_folder(tiny_release, cli, tmp_path):
+    code, _, err = cli("shard", "--merge", tiny_release["bf16"], tmp_path / "out")
     assert code != 0 and "not a sharded checkpoint" in err
 
 
-def test_rerun_is_skipped_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", ["drop_files", "bad_holders", "not_json", "edited_sha", "bad_inner", "inner_holes"])
+def test_merge_refuses_a_damaged_manifest(tiny_release, cli, damage, tmp_path):
+    sh = tmp_path / "sh"
+    shard(tiny_release["bf16"], sh, 4, 2, progress=False)
+    path = sh / MANIFEST
+    man = json.loads(path.read_text())
+    w13 = man["tensors"][f"{L}.0.mlp.experts.w13_weight"]
+    if damage == "drop_files":
+        del man["files"]
+    elif damage == "bad_holders":
+        man["tensors"]["model.llm.unembed.weight"]["holders"] = [0, 0, 0, 0]
+    elif damage == "edited_sha":
+        rel = next(r for r in man["files"] if r.startswith("rank-00/") and r.endswith(".safetensors"))
+        man["files"][rel]["sha256"] = "0" * 64
+    elif damage == "bad_inner":
+        w13["inner"]["dim"] = 0
+    elif damage == "inner_holes":
+        w13["inner"]["holders"] = [0, 0, 1, 1]
+    path.write_text("{" if damage == "not_json" else json.dumps(man))
+    code, _, err = cli("shard", "--merge", sh, tmp_path / "out", "-q")
+    assert code != 0 and err.count("\n") == 1 and not (tmp_path / "out").exists()
+    if damage.startswith(("bad_inner", "inner")):
+        assert "inner cut" in err
+
+
+def test_rerun_is_skipped_and_an_interrupted_run_resumes(tiny_release, tmp_path, monkeypatch):
     import inkling_ckpt.layouts.sharded as sharded
 
-    src = FIXTURES / "tiny-mixed"
+    src = tiny_release["mixed"]
     real = sharded._shard_file
     calls = []
 
@@ -210,55 +348,20 @@ def test_rerun_is_skipped_and_an_interrupted_run_resumes(tmp_path, monkeypatch):
 
     monkeypatch.setattr(sharded, "_shard_file", flaky)
     with pytest.raises(KeyboardInterrupt):
-        shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False)
+        shard(src, tmp_path / "sh", 2, 2, max_shard_size="50KB", progress=False)
     assert not (tmp_path / "sh").exists() and (tmp_path / ".sh.inkling-partial").is_dir()
     monkeypatch.setattr(sharded, "_shard_file", real)
-    res = shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False)
+    res = shard(src, tmp_path / "sh", 2, 2, max_shard_size="50KB", progress=False)
     assert res.resumed and not res.skipped
-    assert shard(src, tmp_path / "sh", 2, 2, max_shard_size="500KB", progress=False).skipped
+    assert shard(src, tmp_path / "sh", 2, 2, max_shard_size="50KB", progress=False).skipped
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
 
 
-@pytest.mark.parametrize("damage", ["drop_files", "bad_holders", "not_json", "edited_sha"])
-def test_merge_refuses_a_damaged_manifest(damage, tmp_path, capsys):
-    sh = tmp_path / "sh"
-    shard(FIXTURES / "tiny-bf16", sh, 2, 2, progress=False)
-    path = sh / MANIFEST
-    man = json.loads(path.read_text())
-    if damage == "drop_files":
-        del man["files"]
-    elif damage == "bad_holders":
-        man["tensors"]["lm_head.weight"]["holders"] = [0, 0]
-    elif damage == "edited_sha":
-        rel = next(r for r in man["files"] if r.startswith("rank-00/") and r.endswith(".safetensors"))
-        man["files"][rel]["sha256"] = "0" * 64
-    path.write_text("{" if damage == "not_json" else json.dumps(man))
-    code, _, err = _cli(["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"], capsys)
-    assert code != 0 and err.count("\n") == 1 and not (tmp_path / "out").exists()
-
-
-def test_sharded_folder_is_a_tensor_source(tmp_path):
-    """A sharded folder can feed the converters: requantize it to MXFP8 straight from the ranks."""
-    from inkling_ckpt.convert.requantize import requantize
-    from inkling_ckpt.layouts.sharded import ShardedCheckpoint
-    from inkling_ckpt.model.precision import PrecisionPlan
-
-    shard(FIXTURES / "tiny-bf16", tmp_path / "sh", 4, 4, progress=False)
-    src = ShardedCheckpoint.open(tmp_path / "sh")
-    assert set(src.extra_files()) == {"generation_config.json"}
-    requantize(src, tmp_path / "mx", PrecisionPlan.parse("mxfp8", 4), max_shard_size="2MB", progress=False)
-    src.close()
-    ref = HFCheckpoint.open(FIXTURES / "tiny-mxfp8")
-    out = HFCheckpoint.open(tmp_path / "mx")
-    for name in ref.tensors:
-        assert torch.equal(out.get(name).reshape(-1).view(torch.uint8), ref.get(name).reshape(-1).view(torch.uint8)), name
-
-
-def test_interrupted_merge_resumes(tmp_path, monkeypatch):
+def test_interrupted_merge_resumes(tiny_release, tmp_path, monkeypatch):
     import inkling_ckpt.layouts.sharded as sharded
 
-    src = FIXTURES / "tiny-bf16"
+    src = tiny_release["bf16"]
     shard(src, tmp_path / "sh", 2, 2, progress=False)
     real = sharded._merge_file
     calls = []

@@ -116,12 +116,13 @@ def from_bytes(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return b.contiguous().reshape(-1).view(dtype).reshape(b.shape[:-1])
 
 
-def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``[start, stop)`` blocks of dim-0 rows of about ``limit`` bytes (a scalar is one block of one "row")."""
+def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int | None = None) -> list[tuple[int, int]]:
+    """``[start, stop)`` blocks of dim-0 rows of about ``limit`` bytes (default :data:`CHUNK_BYTES`;
+    at least one row); a scalar is one block of one "row"."""
     if not shape:
         return [(0, 1)]
     row = max(1, nbytes(shape[1:], dtype))
-    step = max(1, limit // row)
+    step = max(1, (limit or CHUNK_BYTES) // row)
     return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
 
 
@@ -184,43 +185,6 @@ class _RankStaging:
             self.hasher.submit(f"{self.sub}/{rel}")
 
 
-class _RankWriter(HFWriter):
-    """An :class:`HFWriter` that also takes a tensor in blocks of dim-0 rows, so a rank's piece
-    of a stacked expert layer (or of ``embed``) is never whole in memory."""
-
-    def __init__(self, *args: Any, **kw: Any):
-        super().__init__(*args, **kw)
-        self._rows_done: dict[str, int] = {}
-
-    def write_rows(self, name: str, start: int, rows: torch.Tensor) -> None:
-        spec = self.specs[name]
-        if not spec.shape or (start == 0 and tuple(rows.shape) == spec.shape):
-            self.write(name, rows)
-            return
-        stop = start + rows.shape[0]
-        if rows.dtype != spec.dtype or tuple(rows.shape[1:]) != spec.shape[1:] or stop > spec.shape[0]:
-            raise CheckpointError(f"writer: rows {start}:{stop} of {name} are {rows.dtype} {list(rows.shape)}, planned "
-                                  f"{spec.dtype} {list(spec.shape)}")
-        shard = self.shards[self.weight_map[name]]
-        if name not in shard.remaining:
-            return
-        if shard.fh is None:
-            shard.fh = open(self.staging.partial(shard.file), "wb")
-            shard.fh.write(shard.header)
-            shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
-        a, _ = shard.offsets[name]
-        shard.fh.seek(len(shard.header) + a + start * nbytes(spec.shape[1:], spec.dtype))
-        shard.fh.write(memoryview(as_bytes(rows).reshape(-1).numpy()))
-        done = self._rows_done.get(name, 0) + rows.shape[0]
-        self._rows_done[name] = done
-        if done == spec.shape[0]:  # blocks are disjoint: all rows are there
-            shard.remaining.discard(name)
-            if not shard.remaining:
-                shard.fh.close()
-                shard.fh = None
-                self.staging.finish(shard.file)
-
-
 # ---- shard --------------------------------------------------------------------------------
 
 @dataclass
@@ -277,7 +241,7 @@ def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[s
     writers = []
     for r in plan.parallel.ranks:
         local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
-        writers.append(_RankWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
+        writers.append(HFWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
     by_name = {p.name: p for p in plan.placements}
     total = sum(p.spec.nbytes for p in plan.placements)
     source_info: dict[str, dict[str, Any]] = {}
@@ -309,7 +273,7 @@ def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[s
 
 
 def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader, by_name: dict[str, Placement],
-                writers: list[_RankWriter], advance: Callable[[int], None]) -> dict[str, Any]:
+                writers: list[HFWriter], advance: Callable[[int], None]) -> dict[str, Any]:
     """Stream one source shard in file order, in blocks of rows: hash every byte, hand each
     block's part of every rank's piece to that rank."""
     path = ckpt.root / file
@@ -350,7 +314,7 @@ def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader, by_name: dict[
     return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
 
 
-def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: _RankWriter) -> None:
+def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: HFWriter) -> None:
     """Give ``writer`` the part of global rows ``[r0, r1)`` (``block``, as bytes) in ``rank``'s piece."""
     if not p.spec.shape:
         writer.write(p.name, from_bytes(block, p.spec.dtype))
@@ -561,7 +525,7 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{name}: rows {start}:{stop} outside its {rows} rows")
         return from_bytes(self._rows(name, start, stop), ST_TO_DTYPE[t["dtype"]])
 
-    def iter_raw(self, name: str, limit: int = CHUNK_BYTES) -> Iterator[bytes]:
+    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[bytes]:
         """The global tensor's bytes in blocks of dim-0 rows."""
         t = self.tensors[name]
         for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):

@@ -207,21 +207,26 @@ def release_notes(cfg: InklingConfig, precision: PrecisionPlan, specs: Sequence[
     total = sum(s.nbytes for s in specs)
     experts = sum(s.nbytes for s in specs if s.category is Category.EXPERTS)
     extra = _embed_f32_extra(specs)
-    emb_dtypes = sorted({str(s.dtype).removeprefix("torch.") for s in specs if s.category is Category.EMBEDDINGS})
-    lines = [f"{book['repo']}: cookbook says about {book['total']} GB; this inventory totals {total / GB:.2f} GB "
-             f"(embed/unembed {'/'.join(emb_dtypes)})."]
+    emb = "/".join(sorted({str(s.dtype).removeprefix("torch.") for s in specs if s.category is Category.EMBEDDINGS}))
+    lines = [f"{book['repo']}: the cookbook says about {book['total']} GB; this inventory totals {total / GB:.2f} GB "
+             f"with embed/unembed in {emb}."]
     if extra:
-        lines.append(f"  The {book['total'] - total / GB:+.2f} GB gap is F32 embed + unembed: storing those two "
-                     f"[{cfg.vocab_size}, {cfg.hidden_size}] tensors in F32 adds {extra / GB:.2f} GB -> "
-                     f"{(total + extra) / GB:.2f} GB (--embed-dtype f32).")
+        f32 = (total + extra) / GB
+        lines.append(f"  The difference is F32 embed + unembed: those two [{cfg.vocab_size}, {cfg.hidden_size}] tensors "
+                     f"in F32 add {extra / GB:.2f} GB -> {f32:.2f} GB"
+                     + (f", which rounds to the cookbook's {book['total']}" if round(f32) == book["total"] else
+                        f", still {book['total'] - f32:+.2f} GB from the cookbook's {book['total']}")
+                     + " (--embed-dtype f32 on a bare config).")
     else:
-        lines.append(f"  embed/unembed are already F32: {total / GB:.2f} GB vs about {book['total']} "
-                     f"({book['total'] - total / GB:+.2f} GB, rounding).")
+        lines.append(f"  embed/unembed are F32, as the cookbook counts them: {total / GB:.2f} GB"
+                     + (" rounds to its figure." if round(total / GB) == book["total"] else
+                        f" is {book['total'] - total / GB:+.2f} GB from its figure."))
     lines.append(f"  Routed experts per GPU at EP4: {experts / 4 / GB:.2f} GB (cookbook about {book['experts_ep4']}).")
     if "per_gpu_tp2" in book:
-        tp2 = max(ShardPlan.build(cfg, precision, 2, 2, specs).rank_bytes())
-        lines.append(f"  Per GPU at TP2: {tp2 / GB:.2f} GB (cookbook about {book['per_gpu_tp2']}; half the checkpoint "
-                     "plus the replicated router, norms and vision tower).")
+        tp2 = rank_memory(ShardPlan.build(cfg, precision, 2, 2, specs))[0]
+        lines.append(f"  Per GPU at TP2: {tp2['bytes'] / GB:.2f} GB (cookbook about {book['per_gpu_tp2']}, half the "
+                     f"checkpoint; each GPU also keeps its own copy of the router, norms and vision tower, "
+                     f"{tp2['replicated'] / GB:.2f} GB).")
     return lines
 
 
