@@ -249,3 +249,11 @@ def test_memory_foreign_torch_dist_with_config(cli, made):
     assert "--config" in _one_line_error(cli, "memory", made["foreign"], "--tp", "2")
     got = _json(cli, "memory", made["foreign"], "--tp", "2", "--config", TINY["mixed"])
     assert _ranks(got) == _ranks(_json(cli, "memory", made["mg"], "--tp", "2"))
+
+
+def test_config_given_must_match_the_kept_one(cli, made, tmp_path):
+    cfg = json.loads((TINY["mixed"] / "config.json").read_text())
+    cfg["text_config"]["num_experts_per_tok"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert "num_experts_per_tok" in _one_line_error(cli, "inspect", made["mg"], "--config", tmp_path)
+    assert _json(cli, "inspect", made["mg"], "--config", TINY["mixed"])["layout"] == "torch_dist"

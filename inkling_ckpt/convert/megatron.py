@@ -14,6 +14,9 @@ megatron-to-hf reads chunk by chunk, undoes the mapping, re-encodes each layer's
 a time in the layer's format (plan and, with ``--scales keep``, NVFP4 amax and unchanged blocks
 from the reference) and takes the vision tower and the configs from the reference HF checkpoint.
 
+``common.pt`` keeps the source ``config.json`` (``inkling.config``) beside the preset and the source
+plan, so the read-only commands open the folder with no ``--config`` (``layouts.torch_dist_release``).
+
 Both publish atomically (``layouts.staging``), skip a finished job unless forced and resume an
 interrupted one; in the torch_dist folder ``metadata.json`` is written last.
 """

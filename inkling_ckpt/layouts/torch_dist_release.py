@@ -12,8 +12,9 @@ other checkpoint:
   ``read_rows`` on a stacked expert weight reads only those experts' chunks;
 * no vision tower: a Megatron checkpoint holds the text model only.
 
-The model config comes from, in order: ``config`` given by the caller (a ``config.json``, a
-folder holding one, or a dict), the copy ``convert hf-to-megatron`` keeps in ``common.pt``.
+The model config is the copy ``convert hf-to-megatron`` keeps in ``common.pt``, or ``config``
+given by the caller (a ``config.json``, a folder holding one, or a dict) for a folder that keeps
+none; given for one that does, it must describe the same model.
 The key preset is the one recorded in ``common.pt``, else the one whose keys the folder holds.
 """
 
@@ -95,6 +96,13 @@ class TorchDistRelease:
                     "(or the HF checkpoint folder it came from)")
             cfg_dict, source = stored, f"{reader.folder / COMMON}"
         cfg = InklingConfig.from_dict(cfg_dict)
+        stored = read_stored_config(reader.common)
+        if config is not None and stored is not None:
+            kept = InklingConfig.from_dict(stored)
+            diff = [k for k in cfg.__dataclass_fields__ if getattr(cfg, k) != getattr(kept, k)]
+            if diff:
+                raise ConfigError(f"{root}: the config given describes another model than the one kept in its "
+                                  f"{COMMON} (they differ in {', '.join(diff)}); drop --config to use the kept one")
         reader.unstack_layers(cfg.num_hidden_layers)
         mapping = _mapping_for(reader, cfg, str(root))
         dtypes = check_torch_dist(reader, mapping)
