@@ -15,9 +15,10 @@ layout          marker                                          reader
 
 A name that is no local path but looks like ``org/name`` is an HF hub repo. The common
 interface (:class:`Checkpoint`): ``layout``, ``root``, ``config``, ``cfg``, ``plan``,
-``tensors`` (release name → object with ``shape``, ``dtype``, ``nbytes``), ``expected()``,
-``dtypes()``, ``vision_specs()``, ``get(name)``, ``read_rows(name, start, stop)``,
-``storage()``, ``describe()``, ``close()``.
+``tensors`` (keyed by the stored release names; what each value holds is the layout's own),
+``expected()`` (the inventory as :class:`~inkling_ckpt.model.inventory.TensorSpec` rows: use
+this for shapes and dtypes), ``dtypes()``, ``vision_specs()``, ``get(name)``,
+``read_rows(name, start, stop)``, ``storage()``, ``describe()``, ``close()``.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Checkpoint(Protocol):
     config: dict[str, Any]
     cfg: InklingConfig
     plan: PrecisionPlan
-    tensors: Mapping[str, Any]
+    tensors: Mapping[str, Any]  # stored release names; values are layout-specific
 
     def expected(self) -> list[TensorSpec]: ...
     def dtypes(self) -> dict[str, torch.dtype]: ...
