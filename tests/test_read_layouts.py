@@ -257,3 +257,7 @@ def test_config_given_must_match_the_kept_one(cli, made, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert "num_experts_per_tok" in _one_line_error(cli, "inspect", made["mg"], "--config", tmp_path)
     assert _json(cli, "inspect", made["mg"], "--config", TINY["mixed"])["layout"] == "torch_dist"
+
+
+def test_verify_config_without_a_torch_dist_side_is_refused(cli, made):
+    assert "neither checkpoint" in _one_line_error(cli, "verify", TINY["mixed"], made["sh"], "--config", TINY["mixed"])

@@ -82,13 +82,14 @@ def detect_layout(path: str | Path) -> str:
         f"inkling-ckpt shard), no {TRACKER} or {RELEASE}/{METADATA_JSON} (Megatron torch_dist)")
 
 
-def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None = None,
+def open_checkpoint(path: str | Path, *, config: Any = None, default_config: Any = None, layout: str | None = None,
                     verify_checksums: bool = False) -> Checkpoint:
     """Open any layout the toolkit writes, detected from the folder (headers and metadata only).
 
     ``config`` (a ``config.json``, a folder holding one, or a dict) is the model config of a
     torch_dist folder that keeps no copy of its own; HF and sharded folders carry theirs, and
-    giving one for them is refused rather than silently ignored. ``verify_checksums``: hash every
+    giving one for them is refused rather than silently ignored. ``default_config``: a torch_dist
+    folder's config when neither ``config`` nor a kept copy is there. ``verify_checksums``: hash every
     file of a sharded folder against its manifest (sizes are always checked).
     """
     kind = layout or detect_layout(path)
@@ -97,7 +98,7 @@ def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None 
     if kind == TORCH_DIST:
         from .torch_dist_release import TorchDistRelease
 
-        return TorchDistRelease.open(path, config=config)
+        return TorchDistRelease.open(path, config=config, default_config=default_config)
     if config is not None:
         raise ConfigError(f"{path}: a {kind} checkpoint carries its own config.json; --config is for torch_dist "
                           "folders")
@@ -108,14 +109,5 @@ def open_checkpoint(path: str | Path, *, config: Any = None, layout: str | None 
     return HFCheckpoint.open(path)
 
 
-def needs_config(path: str | Path) -> bool:
-    """Whether ``path`` is a torch_dist folder whose ``common.pt`` keeps no config (so one must be given)."""
-    if detect_layout(path) != TORCH_DIST:
-        return False
-    from .megatron import TorchDistCheckpoint, read_stored_config
-
-    return read_stored_config(TorchDistCheckpoint.open(path).common) is None
-
-
-__all__ = ["open_checkpoint", "detect_layout", "needs_config", "Checkpoint", "HF", "TORCH_DIST", "SHARDED", "LAYOUTS",
+__all__ = ["open_checkpoint", "detect_layout", "Checkpoint", "HF", "TORCH_DIST", "SHARDED", "LAYOUTS",
            "SHARD_MANIFEST"]

@@ -78,17 +78,23 @@ class TorchDistRelease:
             self.tensors[e.hf] = ReleaseTensor(e.hf, e.shape, dtype, e.key)
 
     @classmethod
-    def open(cls, path: str | Path, *, config: Any = None) -> "TorchDistRelease":
-        """Read the metadata and ``common.pt``, pick the config and preset, check every key (no tensor data)."""
+    def open(cls, path: str | Path, *, config: Any = None, default_config: Any = None) -> "TorchDistRelease":
+        """Read the metadata and ``common.pt``, pick the config and preset, check every key (no tensor data).
+
+        ``default_config`` is used only when ``config`` is not given and the folder keeps none
+        (``verify`` passes the other checkpoint's).
+        """
         from ..convert.megatron import check_torch_dist  # the converter's check: keys, shapes, BF16 experts
 
         root = Path(path)
         reader = TorchDistCheckpoint.open(root)
+        stored = read_stored_config(reader.common)
+        if config is None and stored is None and default_config is not None:
+            config = default_config
         if config is not None:
             cfg_dict = load_config(config)
-            source = str(config) if not isinstance(config, Mapping) else "the given config"
+            source = str(config) if not isinstance(config, Mapping) else "the other checkpoint's config.json"
         else:
-            stored = read_stored_config(reader.common)
             if stored is None:
                 raise ConfigError(
                     f"{root}: a torch_dist checkpoint holds no config.json and its {COMMON} keeps no copy (it was not "
@@ -96,7 +102,6 @@ class TorchDistRelease:
                     "(or the HF checkpoint folder it came from)")
             cfg_dict, source = stored, f"{reader.folder / COMMON}"
         cfg = InklingConfig.from_dict(cfg_dict)
-        stored = read_stored_config(reader.common)
         if config is not None and stored is not None:
             kept = InklingConfig.from_dict(stored)
             diff = [k for k in cfg.__dataclass_fields__ if getattr(cfg, k) != getattr(kept, k)]

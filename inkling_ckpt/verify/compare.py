@@ -46,11 +46,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
 from ..formats.stacked import decode_stacked
-from ..layouts.detect import HF, TORCH_DIST, detect_layout, needs_config
+from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
 from ..progress import ByteProgress
@@ -240,16 +240,16 @@ def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
 def open_pair(path_a: str | Path, path_b: str | Path, *, config: Any = None) -> tuple[Any, Any]:
     """Open both sides; a torch_dist side that keeps no config takes ``config``, else the other side's."""
     kinds = [detect_layout(path_a), detect_layout(path_b)]
+    if config is not None and TORCH_DIST not in kinds:
+        raise ConfigError("--config is for a torch_dist side; neither checkpoint is one (each carries its config.json)")
     opened: list[Any] = [None, None]
     # Sides that carry a config first, so a torch_dist side without one can borrow it.
     for i in sorted((0, 1), key=lambda i: kinds[i] == TORCH_DIST):
         path = (path_a, path_b)[i]
-        cfg = None
-        if kinds[i] == TORCH_DIST:
-            other = opened[1 - i]
-            cfg = config if config is not None else (other.config if other is not None and needs_config(path) else None)
+        other = opened[1 - i]
         try:
-            opened[i] = _open(path, config=cfg, layout=kinds[i], verify_checksums=True)
+            opened[i] = _open(path, config=config if kinds[i] == TORCH_DIST else None, layout=kinds[i],
+                              default_config=other.config if other is not None else None, verify_checksums=True)
         except BaseException:
             for src in opened:
                 if src is not None:
