@@ -44,7 +44,7 @@ import torch
 
 from ..errors import CheckpointError, IntegrityError
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import Category, TensorSpec, detect_plan, match_name, nbytes
+from ..model.inventory import Category, TensorSpec, detect_plan, inventory, is_vision, nbytes
 from ..model.precision import PrecisionPlan
 from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import SPLITS
@@ -484,11 +484,12 @@ class ShardedCheckpoint:
         fd = self._fds.get(rel)
         if fd is None:
             fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
-        data = os.pread(fd, count, a + start * row)
-        if len(data) != count:
+        buf = torch.empty(count, dtype=torch.uint8)
+        got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0
+        if got != count:
             raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
         shape = (stop - start, *local[1:]) if local else ()
-        return bytes_to_tensor(bytearray(data), (*shape, dtype.itemsize), torch.uint8)
+        return buf.reshape(*shape, dtype.itemsize)
 
     def _rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Global rows ``[start, stop)`` of ``name`` as bytes, from the lowest rank holding each piece."""
@@ -525,11 +526,11 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{name}: rows {start}:{stop} outside its {rows} rows")
         return from_bytes(self._rows(name, start, stop), ST_TO_DTYPE[t["dtype"]])
 
-    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[bytes]:
+    def iter_raw(self, name: str, limit: int | None = None) -> Iterator[memoryview]:
         """The global tensor's bytes in blocks of dim-0 rows."""
         t = self.tensors[name]
         for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):
-            yield self._rows(name, a, b).numpy().tobytes()
+            yield memoryview(self._rows(name, a, b).contiguous().reshape(-1).numpy())
 
     def raw(self, name: str) -> bytes:
         """The global tensor's bytes, reassembled from the lowest rank holding each piece."""
@@ -545,18 +546,14 @@ class ShardedCheckpoint:
         """Stored dtype of every tensor."""
         return {n: ST_TO_DTYPE[t["dtype"]] for n, t in self.tensors.items()}
 
+    def vision_specs(self) -> list[TensorSpec]:
+        """The vision tower's tensors as stored (passed through by prefix), in name order."""
+        return [TensorSpec(n, tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], Category.VISION, None)
+                for n, t in sorted(self.tensors.items()) if is_vision(n)]
+
     def expected(self) -> list[TensorSpec]:
         """The tensors of the source checkpoint, as :meth:`HFCheckpoint.expected` gives them."""
-        out = []
-        for name, t in self.tensors.items():
-            m = match_name(name)
-            shape, dtype = tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]]
-            if m is None:  # the vision tower, passed through by prefix
-                out.append(TensorSpec(name, shape, dtype, Category.VISION, None))
-            else:
-                fmt = self.plan.format_of(m.layer) if m.part is not None else None
-                out.append(TensorSpec(name, shape, dtype, m.row.category, m.row, layer=m.layer, fmt=fmt, part=m.part))
-        return out
+        return inventory(self.cfg, self.plan, dtypes=self.dtypes(), vision=self.vision_specs())
 
     def extra_files(self) -> dict[str, bytes]:
         """The source's pass-through files (tokenizer, generation config, ...), as HFCheckpoint gives them."""
@@ -614,7 +611,8 @@ def _check_inner(man: dict[str, Any], where: Path) -> None:
         try:
             dim, pieces, holders, shape = inner["dim"], inner["pieces"], inner["holders"], t["shape"]
             ok = (type(dim) is int and type(pieces) is int and pieces >= 1 and isinstance(holders, list)
-                  and len(holders) == tp and 0 <= dim < len(shape) and dim != t["dim"] and shape[dim] % pieces == 0
+                  and len(holders) == tp and t["dim"] is not None and 0 <= dim < len(shape) and dim != t["dim"]
+                  and shape[dim] % pieces == 0
                   and all((h is None) == (o is None) and (h is None or (type(h) is int and 0 <= h < pieces))
                           for h, o in zip(holders, t["holders"]))
                   and {(o, h) for o, h in zip(t["holders"], holders) if o is not None}

@@ -2,15 +2,14 @@
 
 :class:`ShardedRelease` is :class:`~inkling_ckpt.layouts.sharded.ShardedCheckpoint` (global
 tensors reassembled from the rank folders, ``read_rows`` of an EP slice from its EP rank only)
-plus what ``inspect``/``verify``/``memory`` ask of any reader: ``layout``, ``storage()`` and
-``vision_specs()``. Kept apart from the sharded writer so that module stays the writer's.
+plus what ``inspect``/``verify``/``memory`` ask of any reader beyond it: ``layout`` and
+``storage()``. Kept apart from the sharded writer so that module stays the writer's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..model.inventory import TensorSpec, is_vision
 from .sharded import ShardedCheckpoint
 
 
@@ -18,10 +17,6 @@ class ShardedRelease(ShardedCheckpoint):
     """A sharded folder opened for reading (``ShardedRelease.open(path, verify_checksums=...)``)."""
 
     layout = "sharded"
-
-    def vision_specs(self) -> list[TensorSpec]:
-        """The vision tower's tensors as stored, in name order (as :meth:`HFCheckpoint.vision_specs`)."""
-        return sorted((s for s in self.expected() if is_vision(s.name)), key=lambda s: s.name)
 
     def storage(self) -> dict[str, Any]:
         """How the folder stores the tensors (for ``inspect``)."""
