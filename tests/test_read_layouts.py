@@ -261,3 +261,14 @@ def test_config_given_must_match_the_kept_one(cli, made, tmp_path):
 
 def test_verify_config_without_a_torch_dist_side_is_refused(cli, made):
     assert "neither checkpoint" in _one_line_error(cli, "verify", TINY["mixed"], made["sh"], "--config", TINY["mixed"])
+
+
+def test_torch_dist_of_mxfp8_reads_as_bf16_with_its_config(tmp_path):
+    """The kept config.json is the MXFP8 source's; the view's config drops its quantization_config."""
+    hf_to_megatron(HFCheckpoint.open(TINY["mxfp8"]), tmp_path / "mg", progress=False)
+    src = json.loads((TINY["mxfp8"] / "config.json").read_text())
+    assert "quantization_config" in src
+    ckpt = open_checkpoint(tmp_path / "mg")
+    assert str(ckpt.plan) == "0-3:bf16" and ckpt.config == {k: v for k, v in src.items() if k != "quantization_config"}
+    rep = build_report(compare(TINY["mxfp8"], tmp_path / "mg", progress=False), exact=True)
+    assert rep["thresholds"]["passed"]  # MXFP8 values are BF16 numbers: bit-exact after decoding

@@ -31,6 +31,7 @@ from ..model.config import InklingConfig, read_json
 from ..model.inventory import TensorSpec, inventory, nbytes
 from ..model.mapping import PRESETS, MegatronMapping, get_preset
 from ..model.precision import PrecisionPlan
+from ..model.quant_config import output_config
 from .megatron import COMMON, INKLING_KEY, TorchDistCheckpoint, read_stored_config
 
 
@@ -67,11 +68,12 @@ class TorchDistRelease:
                  mapping: MegatronMapping, dtypes: dict[str, torch.dtype]):
         self.root = root
         self.reader = reader
-        self.config = config
-        self.config_source = config_source
         self.cfg = mapping.cfg
         self.mapping = mapping
         self.plan = PrecisionPlan.uniform("bf16", self.cfg.num_hidden_layers)
+        # The config of a BF16 release of these weights: a quantized source's quantization_config dropped.
+        self.config = output_config(config, self.cfg, self.plan)
+        self.config_source = config_source
         self.tensors: dict[str, ReleaseTensor] = {}
         for e in mapping.entries():
             dtype = torch.bfloat16 if e.stacked else dtypes[e.hf]
