@@ -13,6 +13,7 @@ verify at two sizes stays within 10% (plus a fixed 64 MiB) of each other.
 
     python bench/read_layouts.py                 # 1 and 2 layers under ./bench-work
     python bench/read_layouts.py --layers 1 2 --json out.json
+    python bench/read_layouts.py --variant nvfp4   # every layer in one format
 """
 
 from __future__ import annotations
@@ -35,20 +36,20 @@ def _env() -> dict[str, str]:
     return env
 
 
-def bench(work: Path, layers: int) -> dict[str, object]:
+def bench(work: Path, layers: int, variant: str = "mixed") -> dict[str, object]:
     d = work / f"L{layers}"
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
     hf, mg, sh = d / "hf", d / "mg", d / "sh"
     subprocess.run([sys.executable, "-m", "inkling_ckpt", "make-fixture", str(hf), "--size", "wide", "--variant",
-                    "mixed", "--layers", str(layers), "--max-shard-size", "2GB", "-q"], env=_env(), check=True)
+                    variant, "--layers", str(layers), "--max-shard-size", "2GB", "-q"], env=_env(), check=True)
     subprocess.run([sys.executable, "-m", "inkling_ckpt", "convert", "hf-to-megatron", str(hf), str(mg), "-q"],
                    env=_env(), check=True)
     subprocess.run([sys.executable, "-m", "inkling_ckpt", "shard", str(hf), str(sh), "--tp", "2", "--ep", "2", "-q"],
                    env=_env(), check=True)
     mg_bytes = sum(p.stat().st_size for p in mg.rglob("*.distcp"))
-    out: dict[str, object] = {"layers": layers, "torch_dist_bytes": mg_bytes}
+    out: dict[str, object] = {"layers": layers, "variant": variant, "torch_dist_bytes": mg_bytes}
     for name, args in (("inspect hf", ("inspect", str(hf))), ("inspect torch_dist", ("inspect", str(mg))),
                        ("inspect sharded", ("inspect", str(sh))),
                        ("verify hf torch_dist", ("verify", str(hf), str(mg), "-q")),
@@ -84,10 +85,12 @@ def measure(args: tuple[str, ...]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--variant", default="mixed", help="mixed, nvfp4, mxfp8 or bf16 (same format per layer: "
+                    "the fairest memory-growth check)")
     ap.add_argument("--work", type=Path, default=Path("bench-work"))
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    results = [bench(a.work, n) for n in a.layers]
+    results = [bench(a.work, n, a.variant) for n in a.layers]
     if len(results) >= 2:
         lo, hi = results[0], results[-1]
         for k in ("verify hf torch_dist", "verify sharded torch_dist"):

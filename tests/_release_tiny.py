@@ -1,8 +1,8 @@
 """Tiny Inkling 2 release checkpoints written by transformers itself (test-only oracle).
 
-``Inkling2ForConditionalGeneration(...).save_pretrained`` writes the BF16 checkpoint (the model is
-built in F32, then loaded back with ``dtype=bfloat16`` so the router, short convolutions and
-residual queries stay F32 as transformers keeps them); the quantized variants replace each
+``Inkling2ForConditionalGeneration(...).save_pretrained`` writes the BF16 checkpoint (through
+``_tiny_tf.save_tiny``: the router, short convolutions and residual queries stay F32 as
+transformers keeps them), saved again in several files; the quantized variants replace each
 layer's stacked experts by :func:`~inkling_ckpt.formats.stacked.encode_stacked` parts. Sliding
 and full layers have different head counts here (8 query / 2 KV heads on full layers, 4 / 4 on
 sliding ones) so per-layer geometry is exercised, and tp 4 replicates the full layers' KV heads.
@@ -22,26 +22,20 @@ from inkling_ckpt.model.inventory import EXPERT_ROWS
 from inkling_ckpt.model.precision import PrecisionPlan
 from inkling_ckpt.model.quant_config import release_quant_config
 from inkling_ckpt.model.config import InklingConfig
+from _tiny_tf import TEXT as TF_TEXT, VISION as TF_VISION, load, save_tiny
 
-TEXT = dict(vocab_size=256, unpadded_vocab_size=250, hidden_size=64, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, head_dim=8,
-            swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=16,
-            sliding_window_size=32, rel_extent=48, d_rel=8, conv_kernel_size=4, moe_intermediate_size=64, n_routed_experts=8,
-            num_experts_per_tok=2, n_layers_per_attn_res_block=2, eos_token_id=2,
-            layer_types=["hybrid_sliding", "hybrid", "hybrid_sliding", "hybrid"])
-VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=4, posemb_grid_size=4,
-              projection_hidden_dim=48, text_hidden_size=64)
+#: Per-kind head counts that differ, and experts wide enough for an MXFP8 moe-TP split (64 / 2 = 32).
+OVERRIDES = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                 swa_num_key_value_heads=4, swa_head_dim=16, moe_intermediate_size=64)
+TEXT = {**TF_TEXT, **OVERRIDES}
+VISION = TF_VISION
 PLANS = {"bf16": "bf16", "mixed": "0-1:nvfp4,2-3:mxfp8", "mxfp8": "mxfp8"}
 
 
 def transformers_model(work: Path):
-    """The BF16 model as transformers loads it from its own checkpoint."""
-    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = Inkling2ForConditionalGeneration(Inkling2Config(text_config=TEXT, vision_config=VISION))
-    model.save_pretrained(work / "f32")
-    return Inkling2ForConditionalGeneration.from_pretrained(work / "f32", dtype=torch.bfloat16)
+    """The BF16 model as transformers loads it from its own checkpoint (``_tiny_tf.save_tiny``)."""
+    model, _ = load(save_tiny(work / "base", **OVERRIDES))
+    return model
 
 
 def _tensors(root: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
+from conftest import oracle
 
 TEXT = dict(vocab_size=256, unpadded_vocab_size=250, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16,
@@ -19,7 +19,7 @@ VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, patch_
 
 
 def transformers_or_skip():
-    return pytest.importorskip("transformers", minversion="5.24", reason="transformers 5.24 (test extra) is not installed")
+    return oracle("transformers", "transformers==5.24.0", minversion="5.24")
 
 
 def tiny_config(**text_overrides):

@@ -6,6 +6,7 @@ import filecmp
 import os
 import socket
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -13,6 +14,23 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures"
 TINY = {v: FIXTURES / f"tiny-{v}" for v in ("bf16", "mixed", "mxfp8")}
 TINY_PLAN = "0-1:nvfp4,2-3:mxfp8"
+
+
+def oracle(module: str, package: str, minversion: str | None = None) -> ModuleType:
+    """Import a test-only package (an oracle the README's test command installs via the ``test`` extra).
+
+    Missing, the test skips and says which package to install. Under CI (``CI=true``) the test
+    command has installed every oracle, so a missing one fails there instead of skipping quietly.
+    """
+    __tracebackhide__ = True  # pytest reports the skip at the calling test, not here
+    reason = f"{package} is not installed (test-only: pip install -e '.[test]')"
+    if os.environ.get("CI", "").lower() not in ("1", "true"):
+        return pytest.importorskip(module, minversion=minversion, reason=reason)
+    try:
+        return pytest.importorskip(module, minversion=minversion, reason=reason)
+    except pytest.skip.Exception:
+        pass
+    pytest.fail(f"{reason}; CI installs every test-only package", pytrace=False)
 
 
 @pytest.fixture

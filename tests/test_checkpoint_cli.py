@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _tiny_tf import load, logits, save_tiny, transformers_or_skip
-from conftest import TINY, TINY_PLAN, same_files
+from conftest import TINY, TINY_PLAN, oracle, same_files
 from inkling_ckpt.convert.experts import decode_slice
 from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.model.inventory import expert_stacks
@@ -135,7 +135,7 @@ def test_mxfp8_scales_line_up_with_interleaved_rows_in_transformers(tmp_path, cl
 def test_mxfp8_fixture_loads_quantized_through_fine_grained_fp8(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA: transformers' FineGrainedFP8 path dequantizes on CPU")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load FP8 models")
+    oracle("accelerate", "accelerate (transformers needs it to load FP8 models)")
     model, info = load(TINY["mxfp8"])
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
 

@@ -108,3 +108,16 @@ def test_empty_rows(name):
     assert f.decode(p).shape == (0, 64)
     if name != "bf16":
         assert len(f.encode_group([x, x])) == 2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_bf16_encode_finds_a_non_finite_value_in_any_chunk(bad):
+    """The BF16 finiteness check (a min/max reduction per chunk) sees NaN and ±inf past the first chunk."""
+    from inkling_ckpt.errors import NonFiniteError
+    from inkling_ckpt.formats.bf16 import BF16Format
+
+    x = torch.zeros(2, (1 << 23) + 5, dtype=torch.bfloat16)  # two chunks of 2^24 elements and a bit
+    x[1, -1] = bad
+    with pytest.raises(NonFiniteError, match=r"index \(1, 8388612\)"):
+        BF16Format().encode(x, name="w")
+    assert BF16Format().encode(x, name="w", allow_nonfinite=True)["weight"] is not None

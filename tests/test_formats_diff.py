@@ -1,7 +1,7 @@
 """Differential tests against the reference implementations (test-only; skipped when absent).
 
-Install (see tests/requirements-diff.txt): torchao==0.18.0 and nvidia-modelopt==0.47.0 with
-``--no-deps`` so pip keeps the installed torch.
+Installed by the README's test command (the ``test`` extra in pyproject.toml): torchao==0.18.0
+and nvidia-modelopt==0.47.0, next to the pinned torch.
 
 What is compared, and where the references are *defined* to differ (reference/quant-formats.md):
 
@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import oracle
 from inkling_ckpt.formats import get_format
 
 BF = torch.bfloat16
@@ -38,7 +39,7 @@ MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.fl
 
 
 def _modelopt():
-    pytest.importorskip("modelopt", reason="nvidia-modelopt==0.47.0 not installed")
+    oracle("modelopt", "nvidia-modelopt==0.47.0")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from modelopt.torch.quantization.qtensor.mxfp8_tensor import MXFP8QTensor
@@ -47,7 +48,7 @@ def _modelopt():
 
 
 def _torchao():
-    pytest.importorskip("torchao", reason="torchao==0.18.0 not installed")
+    oracle("torchao", "torchao==0.18.0")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.prototype.mx_formats.config import ScaleCalculationMode

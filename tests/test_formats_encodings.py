@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import oracle
 from inkling_ckpt.errors import FormatError
 from inkling_ckpt.formats.encodings import (
     E2M1,
@@ -131,7 +132,7 @@ def test_decode_rejects_float_input():
 
 
 def _ml():
-    return pytest.importorskip("ml_dtypes")
+    return oracle("ml_dtypes", "ml_dtypes")
 
 
 @pytest.mark.parametrize(

@@ -56,7 +56,7 @@ def _fused_fma_in_interpreter():
 def _need_kernels():
     if DEV is None:
         pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1 INKLING_CKPT_GPU_CODECS=interpret)")
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
     if not gpu.kernels_available():
         pytest.skip("Triton kernels not available")
 

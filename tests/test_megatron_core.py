@@ -1,7 +1,8 @@
 """Real Megatron-Core loads what ``convert hf-to-megatron`` writes (test-only dependency).
 
-``pip install megatron-core==0.16.1 psutil`` (the newest on PyPI for Python 3.11; its load path
-runs on CPU with a gloo group, see shared/reference/megatron.md §4). Skipped when absent.
+megatron-core==0.16.1 with psutil, from the README's test command (the ``test`` extra; 0.16.1 is
+the newest on PyPI for Python 3.11; its load path runs on CPU with a gloo group, see
+shared/reference/megatron.md §4). Skipped, with the reason, when absent.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, TINY, free_port, subprocess_env
+from conftest import ROOT, TINY, free_port, oracle, subprocess_env
 
-pytest.importorskip("megatron.core", reason="megatron-core is not installed (test-only dependency)")
-pytest.importorskip("psutil", reason="megatron-core needs psutil")
+oracle("psutil", "psutil (needed by megatron-core)")
+oracle("megatron.core", "megatron-core==0.16.1")
 
 SCRIPT = ROOT / "tests" / "_mcore_load.py"
 

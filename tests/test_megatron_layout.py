@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,30 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], splits: dict[str, lis
 
     write_dcp(folder, chunks, objects, produce)
     finish_iteration_dir(folder, common_state())
+
+
+@contextlib.contextmanager
+def _module_named(name: str) -> Iterator[types.ModuleType]:
+    """An empty module registered as ``name`` so pickle can name classes in it, Megatron installed or not.
+
+    Pickle imports a class's module by name, parents first: stand-in parents are registered too
+    where none is loaded. Everything is put back afterwards, a real module imported earlier included.
+    """
+    parts = name.split(".")
+    added = [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p not in sys.modules]
+    for p in added:
+        sys.modules[p] = types.ModuleType(p)
+    real = sys.modules.get(name)
+    mod = sys.modules[name] = types.ModuleType(name)
+    try:
+        yield mod
+    finally:
+        if real is None:
+            del sys.modules[name]
+        else:
+            sys.modules[name] = real
+        for p in reversed(added):
+            del sys.modules[p]
 
 
 def test_reader_assembles_any_chunking(tmp_path):
@@ -59,24 +85,21 @@ def test_metadata_with_legacy_megatron_classes_loads_without_megatron(tmp_path):
 
     _write(tmp_path, {"a": torch.zeros(2, 2, dtype=torch.bfloat16)}, {})
     md = read_dcp_metadata(tmp_path / ".metadata")
-    mod = types.ModuleType("megatron.core.dist_checkpointing.strategies.torch")
+    with _module_named("megatron.core.dist_checkpointing.strategies.torch") as mod:
 
-    class MCoreMetadata(Metadata):
-        pass
+        class MCoreMetadata(Metadata):
+            pass
 
-    class MCoreSavePlan:
-        pass
+        class MCoreSavePlan:
+            pass
 
-    for cls in (MCoreMetadata, MCoreSavePlan):
-        cls.__module__, cls.__qualname__ = mod.__name__, cls.__name__
-    mod.MCoreMetadata, mod.MCoreSavePlan = MCoreMetadata, MCoreSavePlan
-    sys.modules[mod.__name__] = mod
-    try:
+        for cls in (MCoreMetadata, MCoreSavePlan):
+            cls.__module__, cls.__qualname__ = mod.__name__, cls.__name__
+        mod.MCoreMetadata, mod.MCoreSavePlan = MCoreMetadata, MCoreSavePlan
         legacy = MCoreMetadata(state_dict_metadata=md.state_dict_metadata, storage_data=md.storage_data)
         legacy.mcore_data = {"x": MCoreSavePlan()}
         blob = pickle.dumps(legacy)
-    finally:
-        del sys.modules[mod.__name__]
+    assert b"megatron.core.dist_checkpointing" in blob
     (tmp_path / ".metadata").write_bytes(blob)
     ckpt = TorchDistCheckpoint.open(tmp_path)
     assert torch.equal(ckpt.read("a"), torch.zeros(2, 2, dtype=torch.bfloat16))
@@ -97,25 +120,19 @@ def test_common_pt_as_megatron_writes_it_loads_without_megatron(tmp_path):
     import enum
 
     _write(tmp_path, {"a": torch.zeros(2, 2, dtype=torch.bfloat16)}, {})
-    mod = types.ModuleType("megatron.core.enums")
+    with _module_named("megatron.core.enums") as mod:
 
-    class ModelType(enum.Enum):
-        encoder_or_decoder = 1
+        class ModelType(enum.Enum):
+            encoder_or_decoder = 1
 
-    ModelType.__module__, ModelType.__qualname__ = mod.__name__, "ModelType"
-    mod.ModelType = ModelType
-    real = sys.modules.get(mod.__name__)  # megatron-core may be installed and imported by another test
-    sys.modules[mod.__name__] = mod
-    try:
+        ModelType.__module__, ModelType.__qualname__ = mod.__name__, "ModelType"
+        mod.ModelType = ModelType
         args = argparse.Namespace(tensor_model_parallel_size=2, params_dtype=torch.bfloat16, model_type=ModelType.encoder_or_decoder)
         torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 10}, tmp_path / "common.pt")
-    finally:
-        if real is None:
-            del sys.modules[mod.__name__]
-        else:
-            sys.modules[mod.__name__] = real
     ckpt = TorchDistCheckpoint.open(tmp_path)
     assert ckpt.common["iteration"] == 10
     assert ckpt.common["args"].tensor_model_parallel_size == 2
-    if real is None:  # without Megatron the enum is an inert stand-in
+    if "megatron.core.enums" not in sys.modules:  # the reader imports no Megatron: an inert stand-in
         assert type(ckpt.common["args"].model_type).__name__ == "_MegatronValue"
+    else:  # torch's weights-only loader hands back the class another test already imported
+        assert type(ckpt.common["args"].model_type).__name__ == "ModelType"

@@ -272,3 +272,11 @@ def test_torch_dist_of_mxfp8_reads_as_bf16_with_its_config(tmp_path):
     assert str(ckpt.plan) == "0-3:bf16" and ckpt.config == {k: v for k, v in src.items() if k != "quantization_config"}
     rep = build_report(compare(TINY["mxfp8"], tmp_path / "mg", progress=False), exact=True)
     assert rep["thresholds"]["passed"]  # MXFP8 values are BF16 numbers: bit-exact after decoding
+
+
+@pytest.mark.parametrize("side", ["mg", "sh"])
+def test_forward_mode_names_the_layout_it_cannot_run(cli, made, side):
+    err = _one_line_error(cli, "verify", TINY["mixed"], made[side], "--forward", "-q")
+    assert str(made[side]) in err and ("torch_dist" in err if side == "mg" else "sharded" in err)
+    assert "does not apply with --forward" in _one_line_error(cli, "verify", TINY["mixed"], made["mg"], "--forward",
+                                                              "--config", TINY["mixed"], "-q")

@@ -157,6 +157,20 @@ def test_rank_folders_are_slices_of_the_transformers_model(tiny_release, tmp_pat
         assert _same(un[:real], lm[64 * rank:64 * rank + real]) and not un[real:].any()
 
 
+def test_a_single_rank_folder_loads_in_transformers(tiny_release, tmp_path):
+    """At tp 1 the rank folder is the whole model: with the source's config it loads in transformers
+    with no missing or unexpected keys, and its parameters equal the source's."""
+    from _tiny_tf import load
+
+    shard(tiny_release["bf16"], tmp_path / "sh", 1, 1, progress=False)
+    rank = tmp_path / "sh" / "rank-00"
+    (rank / "config.json").write_bytes((tmp_path / "sh" / "source" / "config.json").read_bytes())
+    model, info = load(rank)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    want = tiny_release["model"].state_dict()
+    assert all(_same(t, want[k]) for k, t in model.state_dict().items())
+
+
 def test_moe_tp_block_scales_follow_their_rows(tiny_release, tmp_path):
     """MXFP8 at tp 4, ep 2: a rank's (w13, scale) decodes to its moe-TP slice of the decoded layer."""
     src = HFCheckpoint.open(tiny_release["mxfp8"])
@@ -216,6 +230,13 @@ def test_sharded_folder_reads_back_as_the_source(tiny_release, tmp_path):
         [(s.name, s.shape, s.dtype, s.part) for s in sorted(src.expected(), key=lambda s: s.name)]
     for name in src.tensors:
         assert _same(sc.get(name), src.get(name)), name
+    # row ranges across piece boundaries: vocab rows, a column cut, EP x moe-TP cuts, KV replication
+    for name, a, b in (("model.llm.embed.weight", 60, 200), (f"{L}.1.attn.wo_ud.weight", 3, 10),
+                       (f"{L}.2.mlp.experts.w2_weight", 3, 6), (f"{L}.2.mlp.experts.w13_weight_scale", 2, 7),
+                       (f"{L}.1.attn.wk_dv.weight", 5, 13), (f"{L}.3.mlp.experts.w2_weight", 4, 4)):
+        assert _same(sc.read_rows(name, a, b), src.read_rows(name, a, b)), name
+    with pytest.raises(CheckpointError, match="outside"):
+        sc.read_rows(f"{L}.2.mlp.experts.w2_weight", 6, 9)
     assert set(sc.extra_files()) == {"generation_config.json"}
     sc.close()
 
@@ -238,6 +259,8 @@ def test_manifest_records_rules_ownership_and_checksums(tiny_release, tmp_path):
     assert (w13["dim"], w13["pieces"], w13["holders"]) == (0, 2, [0, 0, 1, 1])
     assert w13["inner"] == {"dim": 1, "pieces": 2, "holders": [0, 1, 0, 1]} and w13["local_shape"] == [4, 64, 64]
     assert man["rules"][f"{L}.{{layer}}.mlp.experts.w13_weight"]["pairs"] is True
+    assert man["version"] == 2 and man["expert_parts"]["_amax"] == {"ep": True, "moe_tp": False}
+    assert man["expert_parts"]["_outer_scale_denominator"] == {"ep": False, "moe_tp": False}
     for rel, info in man["files"].items():
         assert (tmp_path / "sh" / rel).stat().st_size == info["bytes"] and len(info["sha256"]) == 64
     assert all(r["bytes"] > 0 for r in man["ranks"])

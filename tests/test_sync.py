@@ -186,7 +186,7 @@ _INTERP = os.environ.get("INKLING_CKPT_GPU_CODECS", "").lower() == "interpret"
 def test_gpu_layer_batches_match_per_expert(served, megatron_tensors, scales):
     if not (torch.cuda.is_available() or _INTERP):
         pytest.skip("needs a CUDA device (or Triton's interpreter)")
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
     from inkling_ckpt.formats import gpu
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -215,7 +215,7 @@ def test_gpu_layer_batches_match_per_expert(served, megatron_tensors, scales):
 def test_gpu_nonfinite_falls_back_and_raises(served, megatron_tensors):
     if not (torch.cuda.is_available() or _INTERP):
         pytest.skip("needs a CUDA device (or Triton's interpreter)")
-    pytest.importorskip("triton")
+    pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
     from inkling_ckpt.errors import NonFiniteError
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"

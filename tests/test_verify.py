@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import oracle
 from inkling_ckpt.cli.app import main
 from inkling_ckpt.errors import CheckpointError
 from inkling_ckpt.layouts.sharded import shard
@@ -118,7 +119,7 @@ def test_cli_bad_input(tmp_path, capsys):
 
 
 def test_plot_one_line_per_format(mixed_vs_bf16, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
+    oracle("matplotlib", "matplotlib")
     import matplotlib.image
 
     png = tmp_path / "sqnr.png"

@@ -12,6 +12,7 @@ import typer
 
 from ..convert.experts import SCALE_POLICIES
 from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf, hf_to_megatron, megatron_to_hf
+from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
@@ -89,7 +90,7 @@ def _rank() -> int:
 
 def _scales(value: str) -> str:
     if value not in SCALE_POLICIES:
-        raise PlanError(f"--scales {value!r}; choose one of {', '.join(SCALE_POLICIES)}")
+        raise PlanError(f"--scales {value!r} is not a scale policy; choose one of {', '.join(SCALE_POLICIES)}")
     return value
 
 
@@ -178,8 +179,6 @@ def hf_to_hf_cmd(
 
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
-    from ..convert.requantize import requantize
-
     _one_process("hf-to-hf")
     _steady_memory()
     ckpt = HFCheckpoint.open(src)

@@ -90,7 +90,7 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], emb
                         "CKPT_OR_CONFIG itself")
     config_path = p / "config.json" if p.is_dir() else p
     if not config_path.is_file():
-        raise ConfigError(f"{source}: neither a checkpoint folder nor a config.json")
+        raise ConfigError(f"{source} is neither a checkpoint folder nor a config.json")
     cfg = InklingConfig.from_dict(read_json(config_path))
     n = cfg.num_hidden_layers
     if plan_text is not None and variant is not None:

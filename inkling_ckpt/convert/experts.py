@@ -61,7 +61,7 @@ class ExpertEncoder:
     def __init__(self, plan: PrecisionPlan, *, scales: ScalePolicy = "fresh", reference: ScaleSource | None = None,
                  allow_nonfinite: bool = False, mxfp8_options: Mapping[str, str] | None = None):
         if scales not in SCALE_POLICIES:
-            raise PlanError(f"scale policy {scales!r}; choose one of {', '.join(SCALE_POLICIES)}")
+            raise PlanError(f"unknown scale policy {scales!r}; choose one of {', '.join(SCALE_POLICIES)}")
         if scales == "keep":
             if reference is None:
                 raise PlanError("--scales keep needs a reference checkpoint to take the scales from")

@@ -51,6 +51,10 @@ from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint
 
 log = logging.getLogger(__name__)
 
+#: BF16 expert bytes megatron-to-hf reads and re-encodes at once (at least one expert). A slice
+#: is alive about four times over (assembled read, the next read ahead, interleaved, encoded).
+SLICE_BYTES = 64 * 2**20
+
 # ---- distributed helpers ------------------------------------------------------------------------
 
 
@@ -278,7 +282,7 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
-        raise PlanError(f"plan covers {len(plan)} layers, the reference has {cfg.num_hidden_layers}")
+        raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
     m = MegatronMapping(cfg, preset)
     dtypes = check_torch_dist(reader, m)
     vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []
@@ -338,7 +342,7 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
             continue
         stack = stacks[e.hf]
         if any(writer.needed(p.name) for p in stack.parts()):
-            jobs += [(e, stack, a, b) for a, b in expert_slices(stack)]
+            jobs += [(e, stack, a, b) for a, b in expert_slices(stack, SLICE_BYTES)]
 
     def load(job: tuple[Any, Any, int, int]) -> torch.Tensor:
         e, _, a, b = job

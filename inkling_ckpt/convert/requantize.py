@@ -80,7 +80,7 @@ def requantize(
     """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done)."""
     cfg = src.cfg
     if len(plan) != cfg.num_hidden_layers:
-        raise CheckpointError(f"plan covers {len(plan)} layers, the source has {cfg.num_hidden_layers}")
+        raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {cfg.num_hidden_layers}")
     if scales == "keep" and reference is None and src.plan.used_formats() != ["bf16"]:
         reference = src  # a quantized source carries its own scales
     encoder = ExpertEncoder(plan, scales=scales, reference=reference, allow_nonfinite=allow_nonfinite)

@@ -36,6 +36,8 @@ from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 NVFP4_DENOMINATOR = E2M1_MAX * E4M3_MAX
 WEIGHT, SCALE, AMAX, DENOM = "", "_scale", "_amax", "_outer_scale_denominator"
 STACKED_FORMATS = ("bf16", "mxfp8", "nvfp4")
+#: Elements per chunk of the NVFP4 decode on CUDA (float32 temporaries of ~256 MiB each).
+_CUDA_CHUNK_ELEMS = 1 << 26
 
 
 def _fmt_name(fmt: object) -> str:
@@ -216,15 +218,18 @@ def _decode_nvfp4(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.
     out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
     pair = _pair_table(w.device)
     e4m3 = decode_table(E4M3, w.device)
-    for i in range(e):
-        wi, si, fi = w[i], sc[i], factor[i]
-        for r0, r1 in row_chunks(r, cols):
-            n = r1 - r0
-            vals = pair.index_select(0, wi[r0:r1].reshape(-1).int()).view(n, nb, NVFP4_BLOCK)
-            sbf = e4m3.index_select(0, si[r0:r1].reshape(-1).view(torch.uint8).int()).view(n, nb, 1)
-            v = vals * sbf  # exact (a 2-bit mantissa times a 4-bit one)
-            v *= fi  # one rounding, as transformers
-            out[i, r0:r1] = v.view(n, cols).to(dtype)
+    # Rows of all experts in one sequence, each with its expert's factor, so chunks span experts:
+    # on CUDA a chunk per expert-slice of 2^18 elements is launch-bound (4.6 s for a full-size
+    # layer on an H200, against 0.16 s in 2^26-element chunks); on CPU the small chunks stay in cache.
+    w2, sc2, out2 = w.reshape(e * r, half), sc.reshape(e * r, nb), out.view(e * r, cols)
+    factor_rows = factor.to(w.device).repeat_interleave(r)
+    for r0, r1 in row_chunks(e * r, cols, _CUDA_CHUNK_ELEMS if w.is_cuda else None):
+        n = r1 - r0
+        vals = pair.index_select(0, w2[r0:r1].reshape(-1).int()).view(n, nb, NVFP4_BLOCK)
+        sbf = e4m3.index_select(0, sc2[r0:r1].reshape(-1).view(torch.uint8).int()).view(n, nb, 1)
+        v = vals * sbf  # exact (a 2-bit mantissa times a 4-bit one)
+        v *= factor_rows[r0:r1].view(n, 1, 1)  # one rounding, as transformers
+        out2[r0:r1] = v.view(n, cols).to(dtype)
     return out
 
 

@@ -9,10 +9,11 @@ On disk (``inkling-ckpt shard SRC DST --tp N --ep M``)::
                                  hf_quant_config.json, tokenizer, ...) and headers/<shard>.header:
                                  each source shard's header bytes, so a merge rebuilds it exactly
 
-Manifest (``format: inkling-ckpt/sharded``, ``version: 1``): ``plan`` (tp, ep, moe_tp),
+Manifest (``format: inkling-ckpt/sharded``, ``version: 2``): ``plan`` (tp, ep, moe_tp),
 ``model`` (variant, precision plan), ``ranks`` (per rank: folder, EP rank, moe-TP rank, tensors,
 bytes), ``experts`` (EP rank -> [first, stop) experts and the TP ranks holding them), ``rules``
-(inventory row pattern -> split and dim), ``tensors`` (name -> global shape, local shape, dtype,
+(inventory row pattern -> split and dim), ``expert_parts`` (how each stored part of a stacked
+expert follows: EP slice, moe-TP cut), ``tensors`` (name -> global shape, local shape, dtype,
 split, stored dim cut or null, pieces, ``holders``: the piece each rank holds or null, and for
 stacked experts split over moe_tp too an ``inner`` cut {dim, pieces, holders} inside each EP
 piece), ``source`` (each source file: bytes, sha256, and for shards the header copy) and
@@ -47,14 +48,14 @@ from ..model.config import InklingConfig, read_json
 from ..model.inventory import Category, TensorSpec, detect_plan, inventory, is_vision, nbytes
 from ..model.precision import PrecisionPlan
 from ..plan import Cut, Placement, ShardPlan
-from ..plan.rules import SPLITS
+from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 MANIFEST = "inkling-shard.json"
 FORMAT = "inkling-ckpt/sharded"
-VERSION = 1
+VERSION = 2  # 2: release layout (stacked experts, 'inner' moe-TP cuts, local shapes)
 SOURCE_DIR = "source"
 HEADERS_DIR = f"{SOURCE_DIR}/headers"
 _HASH_CHUNK = 16 << 20
@@ -365,6 +366,7 @@ def build_manifest(ckpt: HFCheckpoint, plan: ShardPlan, source_info: dict[str, A
                    "tensors": counts[r], "bytes": rank_bytes[r]} for r in par.ranks],
         "experts": {str(e): v for e, v in plan.expert_ownership().items()},
         "rules": {pattern: {**rule.to_json(), "describe": rule.describe()} for pattern, rule in SPLITS.items()},
+        "expert_parts": {suffix or "(weight)": {"ep": r.ep, "moe_tp": r.moe_tp} for suffix, r in EXPERT_PARTS.items()},
         "tensors": {p.name: {**placement_entry(p), "source_file": where[p.name]} for p in plan.placements},
         "source": source_info,
         "files": files,
@@ -513,6 +515,8 @@ class ShardedCheckpoint:
                 return torch.cat([assemble(k + 1, {**piece, i: j}) for j in range(cuts[i].pieces)], dim=cuts[i].dim)
 
             out.append(assemble(0, {}))
+        if not out:  # an empty row range
+            return torch.empty((0, *shape[1:], ST_TO_DTYPE[self.tensors[name]["dtype"]].itemsize), dtype=torch.uint8)
         return out[0] if len(out) == 1 else torch.cat(out, dim=0)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:

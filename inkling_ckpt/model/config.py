@@ -223,9 +223,11 @@ class InklingConfig:
             raise ConfigError(f"config.json: text_config.unpadded_vocab_size {self.unpadded_vocab_size} exceeds "
                               f"vocab_size {self.vocab_size}")
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ConfigError("config.json: text_config.num_experts_per_tok exceeds n_routed_experts")
+            raise ConfigError(f"config.json: text_config.num_experts_per_tok is {self.num_experts_per_tok}, more than "
+                              f"text_config.n_routed_experts ({self.n_routed_experts})")
         if self.vision is not None and self.vision.spatial_merge_size > MAX_DIM:
-            raise ConfigError("config.json: vision_config.spatial_merge_size is too large")
+            raise ConfigError(f"config.json: vision_config.spatial_merge_size is {self.vision.spatial_merge_size}, more "
+                              f"than the supported maximum {MAX_DIM}")
         expert_elems = self.num_hidden_layers * self.n_routed_experts * 3 * self.moe_intermediate_size * self.hidden_size
         if expert_elems > MAX_ELEMENTS or self.vocab_size * self.hidden_size > MAX_ELEMENTS:
             raise ConfigError(f"config.json: the model this config describes ({expert_elems:.3g} expert elements) is "

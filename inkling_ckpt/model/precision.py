@@ -26,7 +26,7 @@ class PrecisionPlan:
     def parse(cls, text: str, num_layers: int) -> "PrecisionPlan":
         """Parse ``0-1:nvfp4,2-3:mxfp8`` (or ``mxfp8``) for a model with ``num_layers`` layers."""
         if not text or not text.strip():
-            raise PlanError("empty precision plan")
+            raise PlanError("the precision plan is empty")
         layers: list[str | None] = [None] * num_layers
         for raw in text.split(","):
             m = _RULE.match(raw)

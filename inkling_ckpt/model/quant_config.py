@@ -59,11 +59,11 @@ def check_quant_config(config: Mapping[str, Any], plan: PrecisionPlan, where: st
     if qc is None:
         return
     if not isinstance(qc, Mapping):
-        raise CheckpointError(f"{where}: config.json field quantization_config is not an object")
+        raise CheckpointError(f"{where}/config.json: quantization_config is not an object")
     method = qc.get("quant_method")
     if "mxfp8" in plan.used_formats() and method in FP8_QUANT_METHODS:
         if list(qc.get("weight_block_size") or []) != [1, 32] or qc.get("scale_fmt") != "ue8m0":
             raise CheckpointError(
-                f"{where}: config.json quantization_config has weight_block_size "
-                f"{qc.get('weight_block_size')!r} and scale_fmt {qc.get('scale_fmt')!r}; MXFP8 experts need [1, 32] and "
-                "'ue8m0' (transformers would misread the scales)")
+                f"{where}/config.json: quantization_config.weight_block_size is {qc.get('weight_block_size')!r} and "
+                f"quantization_config.scale_fmt is {qc.get('scale_fmt')!r}; MXFP8 experts need [1, 32] and 'ue8m0' "
+                "(transformers would misread the scales)")

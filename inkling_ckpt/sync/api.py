@@ -81,9 +81,9 @@ class WeightSync:
                  select: Selection = "all", bucket_bytes: int = DEFAULT_BUCKET_BYTES, allow_nonfinite: bool = False,
                  use_kernels: bool = True):
         if select not in SELECTIONS:
-            raise PlanError(f"selection {select!r}; choose one of {', '.join(SELECTIONS)}")
+            raise PlanError(f"unknown selection {select!r}; choose one of {', '.join(SELECTIONS)}")
         if scales not in SCALE_POLICIES:
-            raise PlanError(f"scale policy {scales!r}; choose one of {', '.join(SCALE_POLICIES)}")
+            raise PlanError(f"unknown scale policy {scales!r}; choose one of {', '.join(SCALE_POLICIES)}")
         if int(bucket_bytes) <= 0:
             raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.cfg = cfg

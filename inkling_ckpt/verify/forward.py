@@ -1,0 +1,788 @@
+"""``verify --forward``: run two checkpoints through the real model, one layer at a time, and compare.
+
+The model is transformers' own ``Inkling2ForConditionalGeneration`` (optional extra ``forward``):
+it is built once on the meta device, exactly as ``from_pretrained`` builds it (same init context,
+same dtype plan, same weight-conversion table), and each unit (embedding, decoder layer ``i``,
+head) is materialised from the checkpoint just before it runs and returned to meta right after.
+So at most one layer's weights of one checkpoint are in memory, plus the token batch's
+activations: the hidden state and the block attention-residual sources of each side. The
+driver below calls the model's own modules in the order ``Inkling2TextModel.forward`` does, so
+on a BF16 checkpoint the logits equal ``from_pretrained(...)(input_ids).logits`` bit for bit
+(same dtype, same device).
+
+Routed experts stored quantized (MXFP8, or NVFP4 in the release's ``amax / denominator`` form)
+are decoded to the run dtype on the run device by ``formats.stacked.decode_stacked`` (the order
+of transformers' own dequantizer) before the layer is loaded; BF16 experts load as stored. The
+layer's expert format is read from the tensors present, as transformers does.
+
+Report (``--json``), schema ``inkling-ckpt/verify-forward/v1``::
+
+    {"schema": "inkling-ckpt/verify-forward/v1",
+     "a": {"path", "expert_formats": {FORMAT: n_layers}}, "b": {...},
+     "run": {"device", "dtype", "batch", "seq_len", "tokens": "random"|FILE, "seed", "seconds"},
+     "config_differences": [KEY, ...],      # text_config fields that differ between A and B
+     "logits": {"kl_mean", "kl_max", "top1_agreement", "max_abs_diff", "positions",
+                "first_diverging_layer"},      # first layer whose hidden state differs, or null
+     "layers": [{"layer", "kind": "sliding"|"full", "format_a", "format_b",
+                 "rel_error", "max_abs_diff"}],      # hidden state after each decoder layer
+     "thresholds": {"max_kl", "passed"}}
+
+Figures that come out NaN or infinite (a checkpoint whose outputs are not finite) are ``null``.
+``kl_*`` is KL(A‖B) of the next-token distributions (nats, from float32 logits, summed in
+float64), per position, then mean and max over the batch's positions; ``top1_agreement`` the
+fraction of positions whose argmax agree; ``rel_error`` is ``‖h_B − h_A‖ / ‖h_A‖`` over the
+whole batch (float64 sums), ``h`` the hidden state each side computes from its own previous
+layers (so the error accumulates, and its first jump shows where the divergence starts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, FormatError, InklingError
+from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
+
+SCHEMA = "inkling-ckpt/verify-forward/v1"
+INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
+TRANSFORMERS_VERSION = "5.24.0"
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class MissingDependency(InklingError):
+    """An optional extra that this mode needs is not installed."""
+
+
+# ------------------------------------------------------------------------------------------
+# transformers, imported only here and only on demand
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _TF:
+    """The pieces of transformers 5.24 this module drives."""
+
+    Config: Any
+    Model: Any
+    ContextManagers: Any
+    get_model_conversion_mapping: Callable
+    rename_source_key: Callable
+    WeightRenaming: Any
+    WeightConverter: Any
+    build_glob_alternation: Callable
+    create_causal_mask: Callable
+    create_sliding_window_causal_mask: Callable
+    create_recurrent_attention_mask: Callable
+    get_relative_distance: Callable
+
+
+def load_transformers() -> _TF:
+    """Import what the forward needs from transformers; MissingDependency (one line) without it."""
+    try:
+        import transformers
+        from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            build_glob_alternation,
+            rename_source_key,
+        )
+        from transformers.masking_utils import (
+            create_causal_mask,
+            create_recurrent_attention_mask,
+            create_sliding_window_causal_mask,
+        )
+        from transformers.models.inkling2.modeling_inkling2 import get_relative_distance
+        from transformers.utils.generic import ContextManagers
+    except ImportError as e:
+        raise MissingDependency(
+            f"verify --forward needs transformers with the Inkling 2 model ({e.name or e}); {INSTALL_HINT}"
+        ) from None
+    version = getattr(transformers, "__version__", "?")
+    if version.split("+")[0] != TRANSFORMERS_VERSION:
+        raise MissingDependency(
+            f"verify --forward is pinned to transformers {TRANSFORMERS_VERSION} (its internal loader "
+            f"is driven directly), found {version}; {INSTALL_HINT}"
+        )
+    return _TF(
+        Config=Inkling2Config,
+        Model=Inkling2ForConditionalGeneration,
+        ContextManagers=ContextManagers,
+        get_model_conversion_mapping=get_model_conversion_mapping,
+        rename_source_key=rename_source_key,
+        WeightRenaming=WeightRenaming,
+        WeightConverter=WeightConverter,
+        build_glob_alternation=build_glob_alternation,
+        create_causal_mask=create_causal_mask,
+        create_sliding_window_causal_mask=create_sliding_window_causal_mask,
+        create_recurrent_attention_mask=create_recurrent_attention_mask,
+        get_relative_distance=get_relative_distance,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# reading a release checkpoint lazily
+# ------------------------------------------------------------------------------------------
+
+
+class SafetensorsFolder:
+    """Tensors of an HF safetensors checkpoint folder (index or single file), read one at a time.
+
+    Every file named by the index must resolve inside the folder. Headers are read up front
+    (no tensor data); ``get`` reads one tensor through ``safe_open``.
+    """
+
+    def __init__(self, folder: str | Path):
+        from safetensors import SafetensorError, safe_open
+
+        self._safe_open = safe_open
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: not a checkpoint folder")
+        root = self.folder.resolve()
+        index = self.folder / INDEX
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: weight_map is not an object")
+        elif (self.folder / SINGLE).is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"{self.folder}: neither {INDEX} nor {SINGLE}")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
+        self._paths: dict[str, Path] = {}
+        for f in files:
+            p = (self.folder / str(f)).resolve()
+            if not p.is_relative_to(root) or p == root:
+                raise CheckpointError(f"{index}: file {f!r} resolves outside {self.folder}")
+            if not p.is_file():
+                raise CheckpointError(f"{self.folder}: shard {f} is missing")
+            self._paths[str(f)] = p
+        self._where: dict[str, str] = {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for f, p in self._paths.items():
+            try:
+                with safe_open(str(p), "pt") as h:
+                    for name in h.keys():
+                        sl = h.get_slice(name)
+                        self.meta[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), p, name))
+                        self._where[name] = f
+            except SafetensorError as e:
+                raise CheckpointError(f"{p}: unreadable safetensors file ({e})") from None
+        if weight_map is not None:
+            for name, f in weight_map.items():
+                if self._where.get(name) != str(f):
+                    raise CheckpointError(f"{index}: {name} is not in {f}")
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+
+    def get(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Read one tensor (as stored) onto ``device``."""
+        f = self._where[name]
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = self._stack.enter_context(self._safe_open(str(self._paths[f]), "pt"))
+        t = h.get_tensor(name)
+        return t.to(device) if str(device) != "cpu" else t
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+if hasattr(torch, "float8_e8m0fnu"):
+    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
+
+
+def _st_dtype(code: str, path: Path, name: str) -> torch.dtype:
+    try:
+        return _ST_DTYPES[code]
+    except KeyError:
+        raise CheckpointError(f"{path}: {name} has unsupported dtype {code}") from None
+
+
+# ------------------------------------------------------------------------------------------
+# routed experts: BF16, MXFP8 or NVFP4 per layer, read from the parts present
+# ------------------------------------------------------------------------------------------
+
+#: A stacked expert linear on disk (``…mlp.experts.w13_weight`` / ``w2_weight``) and its parts
+#: (the suffixes of inkling_ckpt.formats.stacked).
+_EXPERT_PART = re.compile(r"^(?P<base>.+\.mlp\.experts\.w(?:13|2)_weight)(?P<suffix>"
+                          + "|".join(re.escape(x) for x in (SCALE, AMAX, DENOM)) + ")?$")
+
+#: Stored dtypes of unquantized experts other than BF16 that the forward accepts (an F32 or F16
+#: checkpoint); they are cast exactly as from_pretrained casts them, and reported by dtype.
+_PLAIN_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+QUANTIZED = ("mxfp8", "nvfp4")
+
+
+def expert_format(base: str, parts: Mapping[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[str, tuple[int, ...]]:
+    """(format, decoded [E, rows, cols] shape) of one stacked expert linear from its parts' headers.
+
+    The format is read from the parts present and their dtypes (``formats.stacked``); their
+    shapes must be the ones that format gives for the weight's.
+    """
+    if set(parts) == {WEIGHT} and parts[WEIGHT][1] in _PLAIN_NAMES:
+        shape = parts[WEIGHT][0]
+        if len(shape) != 3:
+            raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
+        return _PLAIN_NAMES[parts[WEIGHT][1]], shape
+    fmt = format_of_parts({s: dt for s, (_, dt) in parts.items()})
+    if fmt not in QUANTIZED:
+        got = ", ".join(f"{base}{s} {str(dt).removeprefix('torch.')}" for s, (_, dt) in sorted(parts.items()))
+        raise CheckpointError(f"{base}: parts ({got}) are not a BF16, MXFP8 or NVFP4 expert")
+    shape = parts[WEIGHT][0]
+    if len(shape) != 3:
+        raise CheckpointError(f"{base}: expected a stacked [E, rows, cols] tensor, got {list(shape)}")
+    full = (shape[0], shape[1], shape[2] * (2 if fmt == "nvfp4" else 1))
+    try:
+        want = stacked_parts(fmt, full)
+    except FormatError as e:
+        raise CheckpointError(f"{base}: {e}") from None
+    for s, (shp, _) in want.items():
+        ok = tuple(parts[s][0]) == shp or (s == DENOM and tuple(parts[s][0]) in ((1,), (full[0],)))  # [E] accepted on read
+        if not ok:
+            raise CheckpointError(f"{base}{s}: shape {list(parts[s][0])}, expected {list(shp)} ({fmt}, weight {list(shape)})")
+    return fmt, full
+
+
+# ------------------------------------------------------------------------------------------
+# one checkpoint, streamed unit by unit through the meta skeleton
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    """One model parameter's source on disk: a plain tensor, or a stacked expert linear's parts."""
+
+    base: str  # on-disk name (for experts: the ``…_weight`` name; parts are base + suffix)
+    target: str  # transformers parameter name after the conversion table
+    converter: str | None  # source pattern of the WeightConverter that applies, if any
+    fmt: str | None = None  # expert format, None for plain tensors
+    parts: tuple[str, ...] = ("",)
+
+
+@dataclass
+class _Unit:
+    name: str  # "embed", "layer.{i}", "head"
+    layer: int | None  # decoder layer index, None for embed and head
+    modules: list[tuple[str, torch.nn.Module]]  # (qualified prefix, module)
+    sources: list[_Source] = field(default_factory=list)
+
+    @property
+    def expert_format(self) -> str | None:
+        fmts = sorted({s.fmt for s in self.sources if s.fmt is not None})
+        return "+".join(fmts) if fmts else None
+
+
+def resolve_dtype(tf: _TF, folder: str | Path, dtype: str | torch.dtype) -> torch.dtype:
+    """The run dtype: an explicit one, or ``"auto"``: the config's ``dtype`` (as from_pretrained), else bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        cfg = _load_config(tf, folder)
+        d = getattr(cfg, "dtype", None) or getattr(cfg.get_text_config(), "dtype", None)
+        if isinstance(d, str):
+            d = getattr(torch, d, None)
+        return d if isinstance(d, torch.dtype) else torch.bfloat16
+    d = getattr(torch, str(dtype), None)
+    if d not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"--dtype {dtype!r}: expected auto, bfloat16, float16 or float32")
+    return d
+
+
+def _load_config(tf: _TF, folder: str | Path):
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder}: no config.json")
+    try:
+        cfg = tf.Config.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises several types for a bad config
+        raise ConfigError(f"{path}: not an Inkling 2 config transformers can read ({type(e).__name__}: {e})") from None
+    if getattr(cfg, "model_type", None) != "inkling2":
+        raise ConfigError(f"{path}: model_type {getattr(cfg, 'model_type', None)!r}, expected 'inkling2'")
+    return cfg
+
+
+class StreamedModel:
+    """One checkpoint as transformers' Inkling 2 text model, materialised one unit at a time.
+
+    ``units`` lists the embedding, each decoder layer and the head with the on-disk tensors
+    each needs (validated against the model from the headers at construction, before any work).
+    Use ``forward`` for logits, or drive ``load``/``unload`` and the modules yourself.
+    """
+
+    def __init__(self, folder: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 tf: _TF | None = None):
+        self.tf = tf = tf or load_transformers()
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.config = _load_config(tf, folder)
+        if getattr(self.config, "quantization_config", None) is not None:
+            # the quantization config is what a loader reads to expect FP8 modules; the skeleton here
+            # is the plain model and the experts are decoded, so it must not take effect
+            self.config.quantization_config = None
+        self.reader = SafetensorsFolder(folder)
+        # exactly the construction of from_pretrained: init context (meta device, default dtype),
+        # then the dtype plan and the weight-conversion table of the built model
+        with tf.ContextManagers(tf.Model.get_init_context(dtype, False, False, False)):
+            self.model = tf.Model(self.config)
+        self.model.eval()
+        self.text = self.model.model.language_model
+        self.text_config = self.text.config
+        self._dtype_plan = self.model._get_dtype_plan(dtype)
+        self._dtype_re = None
+        if self._dtype_plan:
+            self._dtype_re, self._dtype_group, _ = tf.build_glob_alternation(list(self._dtype_plan))
+        mapping = tf.get_model_conversion_mapping(self.model)
+        self._renamings = [m for m in mapping if isinstance(m, tf.WeightRenaming)]
+        self._converters = [m for m in mapping if isinstance(m, tf.WeightConverter)]
+        self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}
+        self._meta = self.model.state_dict()
+        self.units = self._plan()
+
+    # -- planning from headers ------------------------------------------------------------
+    def _plan(self) -> list[_Unit]:
+        m, text = self.model, self.text
+        qual = {id(mod): name for name, mod in m.named_modules()}
+        units = [_Unit("embed", None, [(qual[id(text.embed_tokens)], text.embed_tokens)])]
+        units += [_Unit(f"layer.{i}", i, [(qual[id(layer)], layer)]) for i, layer in enumerate(text.layers)]
+        units.append(_Unit("head", None, [(qual[id(mod)], mod) for mod in (text.final_input, text.norm, m.lm_head)]))
+        skip = [qual[id(m.model.vision_tower)]]  # the text-only forward never runs the vision tower
+
+        expert_parts: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+        plain: list[str] = []
+        for name, meta in self.reader.meta.items():
+            mt = _EXPERT_PART.match(name)
+            if mt:
+                expert_parts.setdefault(mt["base"], {})[mt["suffix"] or ""] = meta
+            else:
+                plain.append(name)
+        sources: list[tuple[_Source, tuple[int, ...], torch.dtype]] = []
+        for name in plain:
+            target, conv = self._rename(name)
+            shape, dt = self.reader.meta[name]
+            sources.append((_Source(name, target, conv), shape, dt))
+        for base, parts in expert_parts.items():
+            if "" not in parts:
+                raise CheckpointError(f"{self.folder}: {base}{sorted(parts)[0]} without {base}")
+            fmt, shape = expert_format(base, parts)
+            target, conv = self._rename(base)
+            dt = self.dtype if fmt in QUANTIZED else parts[""][1]
+            sources.append((_Source(base, target, conv, fmt, tuple(sorted(parts))), shape, dt))
+
+        for src, shape, dt in sources:
+            if any(src.target.startswith(p + ".") for p in skip):
+                continue
+            unit = next((u for u in units for p, _ in u.modules if src.target.startswith(p + ".")), None)
+            if unit is None or src.target not in self._meta:
+                raise CheckpointError(
+                    f"{self.folder}: tensor {src.base} is not a parameter of transformers' Inkling 2 model"
+                )
+            # the conversion table's shape changes (interleave, vocab unpadding) checked on meta tensors
+            got = self._convert(src, torch.empty(shape, dtype=dt, device="meta")).shape
+            want = self._meta[src.target].shape
+            if tuple(got) != tuple(want):
+                raise CheckpointError(f"{self.folder}: {src.base}: shape {list(shape)} gives {list(got)} for "
+                                      f"{src.target}, the model expects {list(want)}")
+            unit.sources.append(src)
+        for u in units:
+            have = {s.target for s in u.sources}
+            need = {p + "." + k for p, mod in u.modules for k in mod.state_dict()}
+            if need - have:
+                missing = sorted(need - have)
+                raise CheckpointError(f"{self.folder}: {len(missing)} tensors of {u.name} missing, "
+                                      f"e.g. {missing[0]} (transformers name)")
+        return units
+
+    def _rename(self, name: str) -> tuple[str, str | None]:
+        return self.tf.rename_source_key(name, self._renamings, self._converters, self.model.base_model_prefix, self._meta)
+
+    def _target_dtype(self, target: str) -> torch.dtype:
+        # from_pretrained's cast: the dtype plan (keep-in-fp32 modules) first, else the skeleton's dtype
+        if self._dtype_re is not None:
+            hit = self._dtype_re.search(target)
+            if hit is not None:
+                return self._dtype_plan[self._dtype_group[hit.lastgroup]]
+        return self._meta[target].dtype
+
+    def _convert(self, src: _Source, tensor: torch.Tensor) -> torch.Tensor:
+        """Cast as from_pretrained does, then apply the conversion table's converter (if any)."""
+        tensor = tensor.to(dtype=self._target_dtype(src.target))
+        if src.converter is None:
+            return tensor
+        from copy import deepcopy
+
+        conv = deepcopy(self._by_pattern[src.converter])
+        conv.add_tensor(src.target, src.base, src.converter, lambda t=tensor: t)
+        out = conv.convert(src.target, model=self.model, config=self.model.config)
+        if set(out) != {src.target}:
+            raise CheckpointError(f"{src.base}: conversion gave {sorted(out)}, expected {src.target}")
+        val = out[src.target]
+        return val[0] if isinstance(val, list) else val
+
+    # -- materialising ----------------------------------------------------------------------
+    def unit_bytes(self, unit: _Unit) -> int:
+        """Bytes stored on disk for ``unit``."""
+        total = 0
+        for s in unit.sources:
+            for p in s.parts:
+                shape, dt = self.reader.meta[s.base + p]
+                total += math.prod(shape) * dt.itemsize
+        return total
+
+    def read(self, unit: _Unit) -> dict[str, torch.Tensor]:
+        """The unit's stored tensors (on-disk names, as stored) on the run device."""
+        return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources for p in s.parts}
+
+    def load(self, unit: _Unit, stored: dict[str, torch.Tensor] | None = None) -> None:
+        """Materialise ``unit``'s modules on the run device (from ``stored`` if given, as ``read`` returns;
+        it is emptied as the tensors are converted, so a stored tensor and its converted form coexist
+        only one tensor at a time)."""
+        stored = self.read(unit) if stored is None else stored
+        state: dict[str, dict[str, torch.Tensor]] = {p: {} for p, _ in unit.modules}
+        for s in unit.sources:
+            if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
+                t = stored.pop(s.base)
+            else:
+                t = decode_stacked(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype, name=s.base)
+            t = self._convert(s, t.to(self.device))
+            prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
+            state[prefix][s.target[len(prefix) + 1:]] = t
+        for prefix, mod in unit.modules:
+            try:
+                mod.load_state_dict(state[prefix], strict=True, assign=True)
+            except RuntimeError as e:
+                raise CheckpointError(f"{self.folder}: {unit.name}: {str(e).splitlines()[0]}") from None
+
+    def unload(self, unit: _Unit) -> None:
+        """Return ``unit``'s modules to the meta device (frees their weights)."""
+        for _, mod in unit.modules:
+            mod.to("meta")
+
+    # -- the forward, in Inkling2TextModel.forward's order ----------------------------------
+    def masks(self, inputs_embeds: torch.Tensor) -> dict[str, Any]:
+        """Attention masks, relative distances and position ids for a fresh (no cache) batch."""
+        tf, cfg = self.tf, self.text_config
+        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        kw = {"config": cfg, "inputs_embeds": inputs_embeds, "attention_mask": None, "cache": None,
+              "position_ids": position_ids}
+        return {
+            "mask": {"full_attention": tf.create_causal_mask(**kw),
+                     "sliding_attention": tf.create_sliding_window_causal_mask(**kw),
+                     "linear_attention": tf.create_recurrent_attention_mask(**kw)},
+            "rel": {"full_attention": tf.get_relative_distance(inputs_embeds, None, is_sliding=False),
+                    "sliding_attention": tf.get_relative_distance(inputs_embeds, None, is_sliding=True)},
+            "position_ids": position_ids,
+        }
+
+    def embed(self, input_ids: torch.Tensor) -> "_State":
+        """Run the (loaded) embedding: the state before layer 0."""
+        h = self.text.embed_tokens(input_ids)
+        return _State(h, h.new_zeros(*h.shape[:-1], 0, h.shape[-1]), self.masks(h), h.dtype)
+
+    def layer(self, i: int, st: "_State") -> None:
+        """Run (loaded) decoder layer ``i`` on ``st`` in place."""
+        layer = self.text.layers[i]
+        kind = layer.attention_type
+        new = layer(st.hidden, st.block_states, attention_mask=st.masks["mask"][kind],
+                    relative_distance=st.masks["rel"][kind], conv_mask=st.masks["mask"]["linear_attention"],
+                    cache=None, position_ids=st.masks["position_ids"])
+        if layer.is_block_boundary:
+            st.block_states = torch.cat([st.block_states.to(st.hidden.device), st.hidden.unsqueeze(-2)], dim=-2)
+        st.hidden = new
+
+    def head(self, st: "_State") -> torch.Tensor:
+        """Run the (loaded) final residual, norm and unembedding: float32 logits [B, T, Vu]."""
+        h = self.text.final_input(st.block_states, st.hidden)[0]
+        h = self.text.norm(h).to(st.dtype)
+        logits = self.model.lm_head(h).float()
+        return self.model.logit_softcap(logits)
+
+    def run_unit(self, unit: _Unit, st: "_State | None", input_ids: torch.Tensor):
+        """Load ``unit``, run it, unload it. Returns the state (embed, layers) or the logits (head)."""
+        self.load(unit)
+        try:
+            with torch.inference_mode():
+                if unit.name == "embed":
+                    return self.embed(input_ids.to(self.device))
+                if unit.name == "head":
+                    return self.head(st)
+                self.layer(unit.layer, st)
+                return st
+        finally:
+            self.unload(unit)
+
+    def forward(self, input_ids: torch.Tensor, on_layer: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits of ``input_ids`` [B, T], streaming every unit; ``on_layer(i, hidden)`` after each layer."""
+        st = None
+        for unit in self.units:
+            out = self.run_unit(unit, st, input_ids)
+            if unit.name == "head":
+                return out
+            st = out
+            if on_layer is not None and unit.layer is not None:
+                on_layer(unit.layer, st.hidden)
+        raise AssertionError("unreachable: the unit list ends with the head")
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+@dataclass
+class _State:
+    hidden: torch.Tensor
+    block_states: torch.Tensor
+    masks: dict[str, Any]
+    dtype: torch.dtype
+
+
+# ------------------------------------------------------------------------------------------
+# comparing A and B
+# ------------------------------------------------------------------------------------------
+
+
+def logit_stats(la: torch.Tensor, lb: torch.Tensor) -> dict[str, Any]:
+    """KL(A‖B) per position (mean, max), top-1 agreement and max |Δlogit| of float32 logits [..., V]."""
+    la = la.float().reshape(-1, la.shape[-1])
+    lb = lb.float().reshape(-1, lb.shape[-1])
+    lpa = torch.log_softmax(la, dim=-1).double()
+    lpb = torch.log_softmax(lb, dim=-1).double()
+    kl = (lpa.exp() * (lpa - lpb)).sum(-1)
+    return {
+        "positions": int(la.shape[0]),
+        "kl_mean": _finite(kl.mean()),
+        "kl_max": _finite(kl.max()),
+        "top1_agreement": float((la.argmax(-1) == lb.argmax(-1)).double().mean()),
+        "max_abs_diff": _finite((la - lb).abs().max()),
+    }
+
+
+def _finite(x: torch.Tensor | float) -> float | None:
+    """A float for JSON, None where it is NaN or infinite (a checkpoint that yields non-finite outputs)."""
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def hidden_stats(ha: torch.Tensor, hb: torch.Tensor) -> dict[str, float]:
+    """‖h_B − h_A‖ / ‖h_A‖ (float64 sums) and max |h_B − h_A| of two hidden states."""
+    a, b = ha.double(), hb.double()
+    d = b - a
+    den = float(a.square().sum().sqrt())
+    num = float(d.square().sum().sqrt())
+    return {"rel_error": _finite(num / den) if den > 0 else (0.0 if num == 0 else None),
+            "max_abs_diff": _finite(d.abs().max()) if d.numel() else 0.0}
+
+
+def read_tokens(path: str | Path, vocab_size: int) -> torch.Tensor:
+    """Token ids from a file: JSON (a list of ids, or a list of equal-length lists), or text
+    with one sequence of whitespace-separated ids per line. Returns int64 [B, T]."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise CheckpointError(f"--tokens {p}: {e.strerror or e}") from None
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+            if data and all(isinstance(x, int) for x in data):
+                data = [data]
+        else:
+            data = [[int(x) for x in line.split()] for line in text.splitlines() if line.strip()]
+    except ValueError as e:
+        raise CheckpointError(f"--tokens {p}: not token ids ({e})") from None
+    if not isinstance(data, list) or not data or not all(isinstance(r, list) and r for r in data):
+        raise CheckpointError(f"--tokens {p}: expected one or more non-empty sequences of token ids")
+    if len({len(r) for r in data}) != 1:
+        raise CheckpointError(f"--tokens {p}: sequences differ in length ({sorted({len(r) for r in data})}); "
+                              f"give equal lengths (no padding is applied)")
+    if not all(isinstance(x, int) and not isinstance(x, bool) for r in data for x in r):
+        raise CheckpointError(f"--tokens {p}: token ids must be integers")
+    ids = torch.tensor(data, dtype=torch.int64)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bool(bad.any()):
+        raise CheckpointError(f"--tokens {p}: id {int(ids[bad][0])} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def random_tokens(batch: int, seq_len: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """Uniform random ids in [0, vocab_size), int64 [batch, seq_len], reproducible from ``seed``."""
+    if batch < 1 or seq_len < 1:
+        raise ConfigError(f"--random needs batch >= 1 and length >= 1, got {batch} x {seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (batch, seq_len), generator=g, dtype=torch.int64)
+
+
+_ARCH_FIELDS = ("hidden_size", "num_hidden_layers", "unpadded_vocab_size")
+_IGNORED_CONFIG_KEYS = {"dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures",
+                        "quantization_config"}
+
+
+def compare_forward(
+    a: str | Path,
+    b: str | Path,
+    *,
+    input_ids: torch.Tensor | None = None,
+    random: int | None = None,
+    batch: int = 2,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str | torch.dtype = "auto",
+    max_kl: float | None = None,
+    progress: bool = True,
+    tokens_label: str | None = None,
+) -> dict[str, Any]:
+    """Stream A and B layer by layer over one token batch and report (schema ``SCHEMA``).
+
+    Give ``input_ids`` [B, T] or ``random`` (sequence length; ``batch`` sequences from ``seed``).
+    Both sides run in the same ``dtype`` (``"auto"``: A's config dtype) on ``device``; at any
+    time one unit (the embedding, one decoder layer, or the head) of one side is in memory.
+    """
+    tf = load_transformers()
+    dev = _device(device)
+    run_dtype = resolve_dtype(tf, a, dtype)
+    t0 = time.perf_counter()
+    sa = StreamedModel(a, dtype=run_dtype, device=dev, tf=tf)
+    sb = StreamedModel(b, dtype=run_dtype, device=dev, tf=tf)
+    try:
+        ca, cb = sa.text_config, sb.text_config
+        for f in _ARCH_FIELDS:
+            if getattr(ca, f) != getattr(cb, f):
+                raise CheckpointError(f"A and B are different models: text_config.{f} is {getattr(ca, f)} vs {getattr(cb, f)}")
+        da, db = ca.to_dict(), cb.to_dict()
+        differences = sorted(k for k in set(da) | set(db) if k not in _IGNORED_CONFIG_KEYS and da.get(k) != db.get(k))
+        vocab = min(ca.vocab_size, cb.vocab_size)
+        if input_ids is None:
+            if random is None:
+                raise ConfigError("give token ids or --random N")
+            input_ids = random_tokens(batch, random, ca.unpadded_vocab_size, seed)
+            label = "random"
+        else:
+            input_ids = input_ids.to(torch.int64)
+            if input_ids.dim() == 1:
+                input_ids = input_ids.unsqueeze(0)
+            if bool(((input_ids < 0) | (input_ids >= vocab)).any()):
+                raise CheckpointError(f"token ids outside the vocabulary [0, {vocab})")
+            label = tokens_label or "given"
+        layers: list[dict[str, Any]] = []
+        total = sum(sa.unit_bytes(u) for u in sa.units) + sum(sb.unit_bytes(u) for u in sb.units)
+        from ..progress import ByteProgress
+
+        with ByteProgress(total, desc="verify --forward", enabled=progress) as bar:
+            st_a = st_b = None
+            logits_a = logits_b = None
+            for ua, ub in zip(sa.units, sb.units):
+                out_a = sa.run_unit(ua, st_a, input_ids)
+                bar.advance(sa.unit_bytes(ua))
+                out_b = sb.run_unit(ub, st_b, input_ids)
+                bar.advance(sb.unit_bytes(ub))
+                if ua.name == "head":
+                    logits_a, logits_b = out_a, out_b
+                    break
+                st_a, st_b = out_a, out_b
+                if ua.layer is not None:
+                    i = ua.layer
+                    kind = "sliding" if sa.text.layers[i].attention_type == "sliding_attention" else "full"
+                    layers.append({"layer": i, "kind": kind, "format_a": ua.expert_format,
+                                   "format_b": ub.expert_format, **hidden_stats(st_a.hidden, st_b.hidden)})
+        stats = logit_stats(logits_a, logits_b)
+    finally:
+        sa.close()
+        sb.close()
+    stats["first_diverging_layer"] = next((r["layer"] for r in layers if r["rel_error"] != 0.0), None)
+    passed = max_kl is None or (stats["kl_max"] is not None and stats["kl_max"] <= max_kl)
+    return {
+        "schema": SCHEMA,
+        "a": {"path": str(a), "expert_formats": _format_counts(sa)},
+        "b": {"path": str(b), "expert_formats": _format_counts(sb)},
+        "run": {"device": str(dev), "dtype": str(run_dtype).removeprefix("torch."), "batch": int(input_ids.shape[0]),
+                "seq_len": int(input_ids.shape[1]), "tokens": label, "seed": seed if label == "random" else None,
+                "seconds": round(time.perf_counter() - t0, 3)},
+        "config_differences": differences,
+        "logits": stats,
+        "layers": layers,
+        "thresholds": {"max_kl": max_kl, "passed": passed},
+    }
+
+
+def _format_counts(s: StreamedModel) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for u in s.units:
+        if u.expert_format is not None:
+            out[u.expert_format] = out.get(u.expert_format, 0) + 1
+    return out
+
+
+def _device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda[:N]")
+    return dev
+
+
+def render_forward_report(rep: Mapping[str, Any]) -> str:
+    """The report as a human-readable table."""
+    lg, run = rep["logits"], rep["run"]
+    lines = [
+        f"A: {rep['a']['path']}  experts {_fmt_counts(rep['a']['expert_formats'])}",
+        f"B: {rep['b']['path']}  experts {_fmt_counts(rep['b']['expert_formats'])}",
+        f"tokens: {run['tokens']}  batch {run['batch']} x {run['seq_len']}  dtype {run['dtype']}  "
+        f"device {run['device']}  {run['seconds']:.1f} s",
+    ]
+    if rep["config_differences"]:
+        lines.append(f"config fields that differ: {', '.join(rep['config_differences'])}")
+    first = lg["first_diverging_layer"]
+    lines += [
+        "",
+        f"KL(A||B) mean {_num(lg['kl_mean'], '.6g')}  max {_num(lg['kl_max'], '.6g')} nats over "
+        f"{lg['positions']} positions",
+        f"top-1 agreement {lg['top1_agreement']:.4f}   max |dlogit| {_num(lg['max_abs_diff'], '.6g')}",
+        "hidden states identical through the last layer" if first is None
+        else f"hidden states first differ after layer {first}",
+        "",
+        f"{'layer':>5}  {'kind':<7}  {'experts A':<9}  {'experts B':<9}  {'rel err':>10}  {'max |dh|':>10}",
+    ]
+    for r in rep["layers"]:
+        lines.append(f"{r['layer']:>5}  {r['kind']:<7}  {r['format_a'] or '-':<9}  {r['format_b'] or '-':<9}  "
+                     f"{_num(r['rel_error'], '10.3e')}  {_num(r['max_abs_diff'], '10.3e')}")
+    th = rep["thresholds"]
+    if th["max_kl"] is not None:
+        lines += ["", f"max KL <= {th['max_kl']}: {'pass' if th['passed'] else 'FAIL'}"]
+    return "\n".join(lines)
+
+
+def _num(v: float | None, spec: str) -> str:
+    """``v`` formatted by ``spec`` ("10.3e", ".6g"), or "non-finite" at the same width."""
+    if v is not None:
+        return format(v, spec)
+    width = spec.split(".")[0]
+    return "non-finite".rjust(int(width)) if width else "non-finite"
+
+
+def _fmt_counts(c: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} x{v}" for k, v in sorted(c.items())) or "-"
