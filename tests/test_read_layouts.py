@@ -216,6 +216,9 @@ def test_verify_foreign_torch_dist_borrows_the_other_config(cli, made):
     assert "--config" in _one_line_error(cli, "verify", made["foreign"], made["foreign"], "-q")
     rep = _json(cli, "verify", made["foreign"], made["mg"], "--config", TINY["mixed"], "--exact", "-q")
     assert rep["thresholds"]["passed"]
+    # Two torch_dist sides: the one keeping no config borrows the other's, in either order.
+    assert _json(cli, "verify", made["foreign"], made["mg"], "--exact", "-q")["thresholds"]["passed"]
+    assert _json(cli, "verify", made["mg"], made["foreign"], "--exact", "-q")["thresholds"]["passed"]
 
 
 def test_verify_refuses_a_different_model(cli, made, tmp_path):

@@ -35,6 +35,10 @@ from ..model.quant_config import output_config
 from .megatron import COMMON, INKLING_KEY, TorchDistCheckpoint, read_stored_config
 
 
+class MissingConfigError(ConfigError):
+    """A torch_dist folder that keeps no config.json, opened without one."""
+
+
 @dataclass(frozen=True)
 class ReleaseTensor:
     """A release tensor as a torch_dist folder holds it: shape and dtype after the mapping, and its key."""
@@ -98,7 +102,7 @@ class TorchDistRelease:
             source = str(config) if not isinstance(config, Mapping) else "the other checkpoint's config.json"
         else:
             if stored is None:
-                raise ConfigError(
+                raise MissingConfigError(
                     f"{root}: a torch_dist checkpoint holds no config.json and its {COMMON} keeps no copy (it was not "
                     "written by `inkling-ckpt convert hf-to-megatron`): pass --config with the model's config.json "
                     "(or the HF checkpoint folder it came from)")
@@ -189,4 +193,4 @@ def _mapping_for(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str) ->
     return best  # not reached: check_megatron raised
 
 
-__all__ = ["TorchDistRelease", "ReleaseTensor", "load_config"]
+__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config"]

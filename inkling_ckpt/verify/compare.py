@@ -242,19 +242,31 @@ def open_pair(path_a: str | Path, path_b: str | Path, *, config: Any = None) -> 
     kinds = [detect_layout(path_a), detect_layout(path_b)]
     if config is not None and TORCH_DIST not in kinds:
         raise ConfigError("--config is for a torch_dist side; neither checkpoint is one (each carries its config.json)")
+    from ..layouts.torch_dist_release import MissingConfigError
+
     opened: list[Any] = [None, None]
-    # Sides that carry a config first, so a torch_dist side without one can borrow it.
-    for i in sorted((0, 1), key=lambda i: kinds[i] == TORCH_DIST):
-        path = (path_a, path_b)[i]
-        other = opened[1 - i]
-        try:
-            opened[i] = _open(path, config=config if kinds[i] == TORCH_DIST else None, layout=kinds[i],
-                              default_config=other.config if other is not None else None, verify_checksums=True)
-        except BaseException:
-            for src in opened:
-                if src is not None:
-                    src.close()
-            raise
+    # Sides that carry a config first; a torch_dist side that keeps none waits for the other
+    # side (whatever its layout) and borrows its config.
+    order = sorted((0, 1), key=lambda i: kinds[i] == TORCH_DIST)
+    deferred: set[int] = set()
+    try:
+        while order:
+            i = order.pop(0)
+            other = opened[1 - i]
+            try:
+                opened[i] = _open((path_a, path_b)[i], config=config if kinds[i] == TORCH_DIST else None,
+                                  layout=kinds[i], default_config=other.config if other is not None else None,
+                                  verify_checksums=True)
+            except MissingConfigError:
+                if other is not None or i in deferred or not order:
+                    raise  # nothing left to borrow from
+                deferred.add(i)
+                order.append(i)  # after the other side
+    except BaseException:
+        for src in opened:
+            if src is not None:
+                src.close()
+        raise
     return opened[0], opened[1]
 
 
