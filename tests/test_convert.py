@@ -73,9 +73,10 @@ def test_transformers_logits_survive_the_round_trip(tmp_path):
 @pytest.mark.parametrize("variant", ["bf16", "mixed", "mxfp8"])
 def test_round_trip_with_kept_scales_is_byte_identical(cli, tmp_path, megatron, variant):
     code, out, err = cli("convert", "megatron-to-hf", megatron[variant], tmp_path / "back",
-                         "--reference", TINY[variant], "--scales", "keep", "-q")
+                         "--reference", TINY[variant], "--scales", "keep", "--max-shard-size", "2MB", "-q")
     assert code == 0, err
     assert _differing(TINY[variant], tmp_path / "back") == []
+    assert same_files(TINY[variant], tmp_path / "back") == []  # the very files make-fixture wrote (2MB shards)
     # Configs (the MXFP8 quantization_config included) and pass-through files too.
     for name in ("config.json", "generation_config.json"):
         assert json.loads((TINY[variant] / name).read_text()) == json.loads((tmp_path / "back" / name).read_text())
@@ -415,6 +416,10 @@ def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
                          "--dry-run")
     assert code == 0, err
     assert json.loads(out)["output_tensors"] == len(HFCheckpoint.open(TINY["mixed"]).tensors)
+    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run", "--preset", "bridge")
+    assert code == 0 and json.loads(out)["preset"] == "bridge", err
+    code, _, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--preset", "nemo")
+    assert code != 0 and "unknown Megatron key preset 'nemo'" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 

@@ -100,9 +100,6 @@ class Experts(Copy):
         return torch.stack([gate, up], dim=2).reshape(e, r, c)
 
 
-Rule = Copy
-
-
 @dataclass(frozen=True)
 class ExtraState:
     """A TE module whose ``_extra_state`` object Megatron's default load requires.
