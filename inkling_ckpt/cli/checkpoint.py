@@ -88,8 +88,7 @@ def inspect_cmd(
 ) -> None:
     """Variant, precision plan, tensors per layer and format, and bytes — from headers only.
 
-    The layout is detected from the folder. A torch_dist folder is shown as the release tensors
-    it holds (read back through the key mapping: routed experts BF16, no vision tower).
+    The layout is detected from the folder. A torch_dist folder is shown as the release tensors it holds (read back through the key mapping: routed experts BF16, no vision tower).
     """
     src = open_checkpoint(ckpt, config=config)
     try:
