@@ -26,13 +26,11 @@ from inkling_ckpt.model.inventory import is_vision
 from inkling_ckpt.verify.compare import build_report, compare
 
 
-def _strip_common(folder: Path, *, keep_preset: bool) -> None:
-    """Make a torch_dist folder look foreign: common.pt without the copy of config.json (and the preset)."""
+def _strip_common(folder: Path) -> None:
+    """Make a torch_dist folder look foreign: common.pt without inkling-ckpt's entry (config copy, preset)."""
     path = folder / RELEASE / COMMON
     common = torch.load(path, weights_only=True)
-    ours = common.pop("inkling")
-    if keep_preset:
-        common["inkling"] = {"preset": ours["preset"]}
+    del common["inkling"]
     torch.save(common, path)
 
 
@@ -46,8 +44,8 @@ def made(tmp_path_factory) -> dict[str, Path]:
     hf_to_megatron(HFCheckpoint.open(TINY["mixed"]), out["bridge"], preset="bridge", progress=False)
     shard(TINY["mixed"], out["sh"], 2, 2, progress=False)
     shutil.copytree(out["mg"], out["foreign"])
-    _strip_common(out["foreign"], keep_preset=False)
-    _strip_common(out["bridge"], keep_preset=False)
+    _strip_common(out["foreign"])
+    _strip_common(out["bridge"])
     return out
 
 
