@@ -12,6 +12,7 @@ import typer
 from ..convert.requantize import Result, requantize
 from ..errors import PlanError
 from ..verify.inspect import inspect_checkpoint, render_inspect
+from ..layouts.detect import open_checkpoint
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.limits import check_count
 from ..layouts.paths import check_dst
@@ -44,6 +45,8 @@ MAX_FIXTURE_EXPERTS = 4096
 SHARD_OPT = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")
 FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output.")
 QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt (whose "
+                          "common.pt keeps no copy): the model's config.json, or the HF folder holding it.")
 NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
 
 
@@ -84,11 +87,20 @@ def make_fixture(
 
 @app.command("inspect")
 def inspect_cmd(
-    ckpt: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id)."),
+    ckpt: str = typer.Argument(..., help="Checkpoint folder: HF (or hub repo id), sharded (inkling-ckpt shard) or "
+                                         "Megatron torch_dist (convert hf-to-megatron)."),
+    config: Optional[Path] = CONFIG_OPT,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Variant, precision plan, tensors per layer and format, and bytes — from headers only."""
-    info = inspect_checkpoint(HFCheckpoint.open(ckpt))
+    """Variant, precision plan, tensors per layer and format, and bytes — from headers only.
+
+    The layout is detected from the folder. A torch_dist folder is shown as the release tensors it holds (read back through the key mapping: routed experts BF16, no vision tower).
+    """
+    src = open_checkpoint(ckpt, config=config)
+    try:
+        info = inspect_checkpoint(src)
+    finally:
+        src.close()
     typer.echo(json.dumps(info, indent=2) if as_json else render_inspect(info))
 
 

@@ -109,7 +109,7 @@ def hf_to_megatron_cmd(
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
-    Routed experts are decoded from their layer's format to BF16 and de-interleaved per expert (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2F, H], gate rows then up rows), stored one chunk per expert; every other tensor keeps its stored dtype. q/k/v/r are four sub-keys of `linear_qkv.weight`. The vision tower is not part of a Megatron checkpoint (megatron-to-hf takes it from --reference). Load it with any TP/EP/PP; metadata.json is written last.
+    Routed experts are decoded from their layer's format to BF16 and de-interleaved per expert (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2F, H], gate rows then up rows), stored one chunk per expert; every other tensor keeps its stored dtype. q/k/v/r are four sub-keys of `linear_qkv.weight`. The vision tower is not part of a Megatron checkpoint (megatron-to-hf takes it from --reference). common.pt keeps the source config.json (under 'inkling'), so inspect, verify and memory read the folder as it is. Load it with any TP/EP/PP; metadata.json is written last.
 
     Under `torchrun --nproc_per_node N` the ranks split the layers and write one checkpoint together (the same files as a one-process run).
 

@@ -84,6 +84,8 @@ def resolve_source(source: str | Path) -> Path:
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
+    layout = "hf"
+
     def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan,
                  tensors: dict[str, StoredTensor]):
         self.root = root
@@ -212,6 +214,10 @@ class HFCheckpoint:
             if p.is_file():
                 out[p.name] = p
         return out
+
+    def storage(self) -> dict[str, Any]:
+        """How the folder stores the tensors (for ``inspect``)."""
+        return {"layout": self.layout, "files": len({t.file for t in self.tensors.values()})}
 
     def describe(self) -> dict[str, Any]:
         """What identifies this source for resume fingerprints: its tensor layout and file sizes."""

@@ -94,6 +94,25 @@ def common_state(content_metadata: Mapping[str, Any] | None = None, **extra: Any
     return state
 
 
+#: ``common.pt`` holds what inkling-ckpt knows about the conversion under this key (Megatron
+#: ignores it); its ``config`` entry is the source ``config.json``, so the read-only commands
+#: (inspect, verify, memory) need no ``--config`` for a checkpoint the toolkit wrote.
+INKLING_KEY = "inkling"
+CONFIG_KEY = "config"
+
+
+def stored_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as plain JSON types (lists, dicts, str, numbers), loadable with ``weights_only=True``."""
+    return json.loads(json.dumps(dict(config)))
+
+
+def read_stored_config(common: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The source ``config.json`` kept in ``common.pt`` by ``hf-to-megatron``, if any."""
+    ours = common.get(INKLING_KEY)
+    config = ours.get(CONFIG_KEY) if isinstance(ours, Mapping) else None
+    return dict(config) if isinstance(config, Mapping) else None
+
+
 def empty_extra_state() -> bytes:
     """The ``_extra_state`` payload of a TE module without FP8 state."""
     buf = io.BytesIO()
@@ -923,5 +942,5 @@ class TorchDistCheckpoint:
 __all__ = [
     "TorchDistCheckpoint", "ChunkItem", "ObjectItem", "write_dcp", "finish_iteration_dir", "write_tracker",
     "common_state", "empty_extra_state", "resolve_iteration_dir", "read_dcp_metadata", "BACKEND",
-    "TRACKER", "RELEASE", "METADATA_JSON", "COMMON",
+    "TRACKER", "RELEASE", "METADATA_JSON", "COMMON", "INKLING_KEY", "CONFIG_KEY", "stored_config", "read_stored_config",
 ]
