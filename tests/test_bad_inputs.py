@@ -513,10 +513,10 @@ def make_fixture_absurd_experts(tmp, built):
 
 
 @case
-def pad_vocab_to_absurd_multiple(tmp, built):
+def shard_absurd_tp(tmp, built):
     src = copy(BF16, tmp / "src")
-    return Bad(["convert", "hf-to-megatron", src, tmp / "out", "--pad-vocab-to-multiple", str(10**12), "-q"],
-               "between", "--pad-vocab-to-multiple", inputs=[src], dst=tmp / "out")
+    return Bad(["shard", src, tmp / "out", "--tp", str(10**12), "--ep", "1", "-q"],
+               "between", "--tp", inputs=[src], dst=tmp / "out")
 
 
 # ---- 9. failure paths -------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ convert_app = typer.Typer(
 )
 app.add_typer(convert_app)
 
-MAX_PAD_MULTIPLE = 1 << 16  # Megatron pads to 128 x TP; anything larger is a typo
 PRESET_OPT = typer.Option(
     DEFAULT_PRESET, "--preset",
     help=f"Megatron key layout: {', '.join(PRESETS)} (miles: one Megatron layer per decoder layer, as Miles' "
@@ -115,7 +114,6 @@ def hf_to_megatron_cmd(
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
-    check_count(pad_vocab_to_multiple, "--pad-vocab-to-multiple", MAX_PAD_MULTIPLE)
     if not dry_run:
         check_dst(dst, [src])
     if dry_run:

@@ -87,7 +87,7 @@ def config_from_dict(config: Mapping[str, Any], where: str | Path) -> Any:
 
 
 def check_count(value: int | None, option: str, cap: int, minimum: int = 1) -> None:
-    """A command-line count (``--layers``, ``--pad-vocab-to-multiple``) within sane bounds."""
+    """A command-line count (``--layers``, ``--tp``) within sane bounds."""
     if value is None:
         return
     if value < minimum or value > cap:
