@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from inkling_ckpt.errors import AdapterError, IntegrityError, OutputError
 from inkling_ckpt.formats import get_format
+from inkling_ckpt.formats.stacked import decode_stacked, format_of_parts
 from inkling_ckpt.lora import (Adapter, LoraExport, ModelDims, build_manifest, check_manifest, export_adapter,
                                inspect_adapter, merge, verify_manifest)
 
@@ -170,6 +171,11 @@ def write_adapter_dir(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
            "bias": "none", "task_type": "CAUSAL_LM"}
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     return path
+
+
+def stored_parts(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """A stacked expert weight's stored parts (suffix -> tensor) from a checkpoint's tensors."""
+    return {n[len(name):]: t for n, t in tensors.items() if n == name or n.startswith(name + "_")}
 
 
 def read_all(folder: Path) -> dict[str, torch.Tensor]:
@@ -488,24 +494,19 @@ def test_reencoding_a_zero_delta_keeps_values_not_always_bytes(work, dims, base_
     same values, but not always the same bytes: NVFP4 turns a negative value that rounded to zero
     (nibble 0x8, -0.0) into +0 (0x0); MXFP8's fresh block scale of a block whose maximum decoded
     to exactly 2^k * 448 / 2 drops one exponent step (the elements double: same values)."""
-    from inkling_ckpt.lora import _stacked
-
     out = work / "zero-reencoded"
     merge(base_mixed, ad_zero, out, progress=False, passthrough_zero=False)
     base, ours = read_all(base_mixed), read_all(out)
-    meta = {n: (tuple(t.shape), t.dtype) for n, t in base.items()}
     byte_diffs = {}
     for i, fmt in MIXED.items():
         for proj in ("w13_weight", "w2_weight"):
             n = P.format(i=i) + proj
-            f = _stacked.detect(n, meta)
-            kept = {s: base[n + s] for s in f.kept}
-            for e in range(base[n].shape[0]):
-                pa = {s: base[n + s][e] for s in ["", *f.per_expert]}
-                pb = {s: ours[n + s][e] for s in ["", *f.per_expert]}
-                assert torch.equal(_stacked.decode_expert(f, pa, kept, e), _stacked.decode_expert(f, pb, kept, e)), (n, e)
-            for s in f.kept:
-                assert torch.equal(base[n + s], ours[n + s])
+            pa, pb = stored_parts(base, n), stored_parts(ours, n)
+            assert format_of_parts({s: t.dtype for s, t in pa.items()}) == fmt
+            assert torch.equal(decode_stacked(fmt, pa, torch.float32), decode_stacked(fmt, pb, torch.float32)), n
+            for s in ("_amax", "_outer_scale_denominator"):
+                if s in pa:
+                    assert torch.equal(pa[s], pb[s])
             if fmt == "nvfp4":
                 assert torch.equal(base[n + "_scale"].view(torch.uint8), ours[n + "_scale"].view(torch.uint8))
                 a, b = base[n].reshape(-1), ours[n].reshape(-1)
@@ -537,20 +538,17 @@ def test_merge_quantized_layers_sqnr_and_kept_scales(work, dims, base_bf16, base
             assert torch.equal(ours[n], bf[n]), n
     # per-layer SQNR of the merged experts vs the float reference (float merge of the decoded base),
     # recomputed here independently of merge(), beside a fresh quantization of the same reference
-    from inkling_ckpt.lora import _stacked
-
-    meta = {n: (tuple(t.shape), t.dtype) for n, t in base.items()}
     s = ALPHA / R
     rows = []
     for i, fmt in MIXED.items():
         p = f"language_model.layers.{i}.mlp.experts."
         for proj in ("w13_weight", "w2_weight"):
             n = P.format(i=i) + proj
-            f = _stacked.detect(n, meta)
-            kept = {k: base[n + k] for k in f.kept}
+            xs = decode_stacked(fmt, stored_parts(base, n), torch.float32)
+            qs = decode_stacked(fmt, stored_parts(ours, n), torch.float32)
             sig = err_kept = err_fresh = 0.0
             for e in range(base[n].shape[0]):
-                x = _stacked.decode_expert(f, {k: base[n + k][e] for k in ["", *f.per_expert]}, kept, e)
+                x = xs[e].clone()
                 if proj == "w13_weight":
                     g = eng[p + "w1.lora_B.weight"][e].float() @ eng[p + "w1.lora_A.weight"][0].float()
                     u = eng[p + "w3.lora_B.weight"][e].float() @ eng[p + "w3.lora_A.weight"][0].float()
@@ -558,7 +556,7 @@ def test_merge_quantized_layers_sqnr_and_kept_scales(work, dims, base_bf16, base
                     x.view(-1, 2, x.shape[1])[:, 1] += s * u
                 else:
                     x += s * (eng[p + "w2.lora_B.weight"][0].float() @ eng[p + "w2.lora_A.weight"][e].float())
-                q = _stacked.decode_expert(f, {k: ours[n + k][e] for k in ["", *f.per_expert]}, kept, e)
+                q = qs[e]
                 codec = get_format(fmt)
                 fresh = codec.decode(codec.encode(x), dtype=torch.float32)
                 sig += float(x.double().square().sum())
@@ -697,3 +695,27 @@ def test_per_expert_stacked_shared_factors_merge_like_shared_outer(work, dims, b
     merge(base_mixed, shared, work / "m-so", progress=False)
     merge(base_mixed, per, work / "m-pe", progress=False)
     assert (work / "m-so" / "model.safetensors").read_bytes() == (work / "m-pe" / "model.safetensors").read_bytes()
+
+
+def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed, monkeypatch):
+    """Experts are merged a slice at a time; slices of 1 and 3 experts (a partial last slice, some
+    experts with a zero delta) give the bytes of the one-slice merge."""
+    import importlib
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    eng = engine(dims, trainer_adapter(dims, seed=13))
+    for n, t in eng.items():  # zero deltas for some experts: w13 of experts 1, 3; w2 of expert 2
+        if n.endswith(("w1.lora_B.weight", "w3.lora_B.weight")):
+            t[[1, 3]] = 0
+        elif n.endswith("w2.lora_A.weight"):
+            t[2] = 0
+    ad = write_adapter_dir(work / "ad-slices", eng)
+    whole = merge(base_mixed, ad, work / "slices-all", progress=False)
+    assert whole.unchanged_experts == 6 * 3
+    for k in (1, 3):
+        monkeypatch.setattr(merge_mod, "expert_slices", lambda st, k=k: [(a, min(st.shape[0], a + k))
+                                                                         for a in range(0, st.shape[0], k)])
+        res = merge(base_mixed, ad, work / f"slices-{k}", progress=False)
+        assert res.unchanged_experts == whole.unchanged_experts
+        assert (work / f"slices-{k}" / "model.safetensors").read_bytes() == \
+            (work / "slices-all" / "model.safetensors").read_bytes()

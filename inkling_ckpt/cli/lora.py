@@ -75,7 +75,7 @@ def merge_cmd(
 ) -> None:
     """Write a release checkpoint with W + (alpha/r)·B·A for every adapted tensor.
 
-    Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. One expert in memory at a time; a rerun resumes."""
+    Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. A few experts in memory at a time; a rerun resumes."""
     from ..lora import merge
     from ..lora.merge import check_output_path, plan_merge
 

@@ -7,7 +7,8 @@ scales (NVFP4: the per-expert ``amax`` and denominator stay; MXFP8: fresh block 
 tensors: cast back to their dtype). An expert or tensor whose delta is exactly zero keeps its
 base bytes, so a zero adapter reproduces the base checkpoint byte for byte.
 
-Memory: one expert (or one row chunk of the unembed) at a time. Output: staged beside the
+Memory: a slice of experts (``convert.requantize.expert_slices``, ~256 MiB as BF16) or one row
+chunk of the unembed at a time. Output: staged beside the
 destination, one group of shard files finished at a time (resumable), published by rename.
 """
 
@@ -23,12 +24,16 @@ from typing import Any
 
 import torch
 
+from ..convert.experts import read_parts
+from ..convert.requantize import expert_slices
 from ..errors import AdapterError, CheckpointError, OutputError
+from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
+                               encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
 from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
+from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..progress import ByteProgress
-from . import _stacked
 from .io import Adapter, TensorFile, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
@@ -57,7 +62,7 @@ class _Unit:
     layer: int | None
     factors: dict[tuple[int, str], str]  # (engine module index, side) -> adapter name
     base: str
-    fmt: _stacked.StackedFormat | None = None  # experts only
+    stack: ExpertStack | None = None  # experts only: the stacked weight, its logical shape and format
     writes: list[str] = field(default_factory=list)  # base tensors rewritten (weight + per-expert parts)
 
 
@@ -105,7 +110,7 @@ class _Base:
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).read(name)
 
-    def rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         return self._file(name).read(name, lo, hi)
 
     def close(self) -> None:
@@ -173,8 +178,8 @@ def _check_shapes(u: _Unit, base: _Base, adapter: Adapter, r: int) -> None:
         need((0, "B"), (rows, r))
         u.writes = [u.base]
         return
-    fmt = _stacked.detect(u.base, base.meta)
-    E, rows, cols = _stacked.logical_shape(fmt, wshape)
+    stack = _expert_stack(u, base)
+    E, rows, cols = stack.shape
     if isinstance(rule, ExpertsGateUp):
         F, H = rows // 2, cols
         for i in (0, 1):
@@ -188,8 +193,46 @@ def _check_shapes(u: _Unit, base: _Base, adapter: Adapter, r: int) -> None:
         need((0, "A"), (a if a in (1, E) else E, r, F))
         b = shp[(0, "B")][0]
         need((0, "B"), (b if b in (1, E) else 1, H, r))
-    u.fmt = fmt
-    u.writes = [u.base] + [u.base + s for s in fmt.per_expert]
+    u.stack = stack
+    # rewritten expert by expert: the weight and its block scales; NVFP4's amax and denominator stay
+    u.writes = [u.base + s for s in (WEIGHT, SCALE) if u.base + s in base.meta]
+
+
+#: Parts that may sit beside a stacked expert weight (the union over the formats).
+_EXPERT_PARTS = (SCALE, AMAX, DENOM)
+
+
+def _expert_stack(u: _Unit, base: _Base) -> ExpertStack:
+    """The stacked expert weight ``u.base`` of the base: format from its stored parts, shapes checked.
+
+    A float weight of another dtype than BF16 (F16, F32) with no side parts merges as a float
+    stack in its own dtype (``fmt`` "bf16", the unquantized release format)."""
+    name = u.base
+    wshape, wdtype = base.meta[name]
+    dtypes = {s: base.meta[name + s][1] for s in (WEIGHT, *_EXPERT_PARTS) if name + s in base.meta}
+    fmt = "bf16" if set(dtypes) == {WEIGHT} and wdtype in FLOAT_DTYPES else format_of_parts(dtypes)
+    if fmt is None or len(wshape) != 3:
+        got = ", ".join(f"{name}{k} {v}".replace("torch.", "") for k, v in dtypes.items())
+        raise CheckpointError(f"{name}: {got} is no known expert format (BF16; F8_E4M3 + _scale (MXFP8); "
+                              "U8 + _scale + _amax + _outer_scale_denominator (NVFP4))")
+    pack = 2 if fmt == "nvfp4" else 1
+    E, rows, stored_cols = wshape
+    stack = ExpertStack(name, u.layer if u.layer is not None else -1, "w13" if isinstance(u.target.rule, ExpertsGateUp)
+                        else "w2", (E, rows, stored_cols * pack), fmt, isinstance(u.target.rule, ExpertsGateUp))
+    for spec in stack.parts():
+        got = base.meta[spec.name][0]
+        # the denominator: a scalar is written, [1] or [E] accepted on read (spec/inkling2.md)
+        ok = tuple(got) == spec.shape or (spec.part == DENOM and tuple(got) in ((1,), (E,)))
+        if not ok:
+            raise CheckpointError(f"{spec.name}: shape {list(got)}, the {fmt} layout of {name} "
+                                  f"{list(wshape)} needs {list(spec.shape)}")
+    if fmt == "nvfp4":
+        # merged experts are encoded with the kept amax over the release's denominator 2688
+        den = base.get(name + DENOM)
+        if not bool((den == NVFP4_DENOMINATOR).all()):
+            raise CheckpointError(f"{name}{DENOM}: {den.reshape(-1)[0].item()}, not the release's "
+                                  f"{NVFP4_DENOMINATOR:g}; merging keeps each expert's amax over that denominator")
+    return stack
 
 
 # ---- writing --------------------------------------------------------------------------------
@@ -242,10 +285,10 @@ class _Merger:
                 pos += len(chunk)
         self.advance(b - a)
 
-    def factor(self, u: _Unit, k: tuple[int, str], e: int | None = None) -> torch.Tensor:
-        """An adapter factor (or expert ``e`` of a stacked one) in float32; non-finite values refused."""
+    def factor(self, u: _Unit, k: tuple[int, str], first: int | None = None, last: int | None = None) -> torch.Tensor:
+        """An adapter factor (or experts ``first:last`` of a stacked one) in float32; non-finite values refused."""
         n = u.factors[k]
-        t = (self.adapter.get(n) if e is None else self.adapter.get_rows(n, e, e + 1)[0]).to(torch.float32)
+        t = (self.adapter.get(n) if first is None else self.adapter.get_rows(n, first, last)).to(torch.float32)
         if not bool(torch.isfinite(t).all()):
             raise AdapterError(f"{self.adapter.tensors[n].stored}: holds NaN or Inf")
         return t
@@ -265,7 +308,7 @@ class _Merger:
             b0, b1 = min(r0, B.shape[0]), min(r1, B.shape[0])
             # finite factors: B @ A is exactly zero when either factor is (no need to form it)
             live = b1 > b0 and not (self.passthrough_zero and (zero_a or not bool(B[b0:b1].any())))
-            w = self.base.rows(u.base, r0, r1)
+            w = self.base.read_rows(u.base, r0, r1)
             if live:
                 delta = B[b0:b1] @ A
                 delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
@@ -279,53 +322,99 @@ class _Merger:
             self.res.changed.append(u.base)
 
     def experts(self, u: _Unit) -> None:
-        fmt = u.fmt or _stacked.detect(u.base, self.base.meta)
-        shape, wdtype = self.base.meta[u.base]
-        E = shape[0]
-        kept = {s: self.base.get(u.base + s) for s in fmt.kept}
+        """Merge one stacked expert weight a slice of experts at a time (``expert_slices``)."""
+        stack = u.stack or _expert_stack(u, self.base)
+        fmt, E = stack.fmt, stack.shape[0]
+        wdtype = self.base.meta[u.base][1]
         gate_up = isinstance(u.target.rule, ExpertsGateUp)
         shared = {}  # factors with expert axis 1, read once
         for k, n in u.factors.items():
             if self.adapter.tensors[n].shape[0] == 1:
                 shared[k] = self.factor(u, k)[0]
         pairs = [(0, "B", 0, "A"), (1, "B", 1, "A")] if gate_up else [(0, "B", 0, "A")]
-        spans = {s: self.base.span(u.base + s) for s in ["", *fmt.per_expert]}
+        spans = {n[len(u.base):]: self.base.span(n) for n in u.writes}  # weight, block scales
         per = {s: (b - a) // E for s, (_, a, b) in spans.items()}
         sig = sq = 0.0
         changed = False
-        for e in range(E):
-            fac = {k: shared[k] if k in shared else self.factor(u, k, e) for k in u.factors}
-            # which products are non-zero (finite factors: zero iff a factor is all zero)
-            live = [p for p in pairs if not self.passthrough_zero or (bool(fac[p[:2]].any()) and bool(fac[p[2:]].any()))]
-            parts = {s: self.base.rows(u.base + s, e, e + 1)[0] for s in ["", *fmt.per_expert]}
-            if not live:
-                new = parts
-                self.res.unchanged_experts += 1
-            else:
-                x = _stacked.decode_expert(fmt, parts, kept, e)
+        for first, last in expert_slices(stack):
+            fac = {k: self.factor(u, k, first, last) for k in u.factors if k not in shared}
+            base_parts = _read_parts(self.base, stack, first, last)
+            new = {s: base_parts[s] for s in spans}
+            live: dict[int, list[tuple[int, str, int, str]]] = {}
+            for e in range(first, last):
+                f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
+                # which products are non-zero (finite factors: zero iff a factor is all zero)
+                lp = [p for p in pairs if not self.passthrough_zero or (bool(f_e[p[:2]].any()) and bool(f_e[p[2:]].any()))]
+                if lp:
+                    live[e] = lp
+                else:
+                    self.res.unchanged_experts += 1
+            if live:
+                idx = torch.tensor([e - first for e in live])
+                kept = _take(base_parts, idx)
+                x = _decode(fmt, kept, u.base)
                 # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
-                rows = x.view(x.shape[0] // 2, 2, x.shape[1]) if gate_up else None
-                for i, bs, j, as_ in live:
-                    d = fac[(i, bs)] @ fac[(j, as_)]
-                    d.mul_(self.s)  # W + s * (B @ A), rounded in that order
-                    if rows is None:
-                        x += d
-                    else:
-                        rows[:, i].add_(d)
-                new = _stacked.encode_expert(fmt, x, kept, e, wdtype)
+                halves = deinterleave(x) if gate_up else None
+                for j, (e, lp) in enumerate(live.items()):
+                    f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
+                    for i, bs, jj, as_ in lp:
+                        d = f_e[(i, bs)] @ f_e[(jj, as_)]
+                        d.mul_(self.s)  # W + s * (B @ A), rounded in that order
+                        (x[j] if halves is None else halves[i][j]).add_(d)
+                enc = _encode(fmt, x, kept, wdtype, u.base)
+                for s in spans:
+                    new[s] = new[s].clone()
+                    new[s][idx] = enc[s]
                 changed = True
-                if self.measure and fmt.name != "bf16":
-                    err = _stacked.decode_expert(fmt, new, kept, e) - x
-                    sig += float(x.double().square().sum())
-                    sq += float(err.double().square().sum())
+                if self.measure and fmt != "bf16":
+                    back = _decode(fmt, {**kept, **{s: enc[s] for s in spans}}, u.base)
+                    for j in range(x.shape[0]):  # summed expert by expert, in float64
+                        sig += float(x[j].double().square().sum())
+                        sq += float((back[j] - x[j]).double().square().sum())
             for s, t in new.items():
                 f, a, _ = spans[s]
-                self.out.write(f, a + e * per[s], _bytes(t))
-            self.advance(sum(per.values()))
+                self.out.write(f, a + first * per[s], _bytes(t))
+            self.advance(sum(per.values()) * (last - first))
         if changed:
             self.res.changed.extend(u.writes)
-        if self.measure and fmt.name != "bf16" and changed:
+        if self.measure and fmt != "bf16" and changed:
             self.res.sqnr[u.base] = math.inf if sq == 0 else 10 * math.log10(sig / sq)
+
+
+def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
+    """Experts ``first:last`` of a stacked weight's stored parts (an [E] denominator sliced too)."""
+    parts = read_parts(base, stack, first, last)  # type: ignore[arg-type]
+    den = parts.get(DENOM)
+    if den is not None and den.numel() > 1:
+        parts[DENOM] = den.reshape(-1)[first:last]
+    return parts
+
+
+def _take(parts: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The experts ``idx`` of a slice's parts (scalars as they are)."""
+    return {s: t if t.dim() == 0 or (s == DENOM and t.numel() == 1) else t[idx] for s, t in parts.items()}
+
+
+def _decode(fmt: str, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """float32 [n, rows, cols] of stored experts (exact for every format; float stacks in any dtype)."""
+    if fmt == "bf16":
+        return parts[WEIGHT].to(torch.float32)
+    return decode_stacked(fmt, parts, torch.float32, name=name)
+
+
+def _encode(fmt: str, x: torch.Tensor, kept: dict[str, torch.Tensor], wdtype: torch.dtype,
+            name: str) -> dict[str, torch.Tensor]:
+    """Stored parts of merged float32 experts: float stacks cast back to their dtype, MXFP8 with
+    fresh block scales, NVFP4 with each expert's kept amax (the denominator is 2688, checked)."""
+    if fmt == "bf16":
+        return {WEIGHT: x.to(wdtype)}
+    if fmt == "mxfp8":
+        return encode_stacked(fmt, x, name=name)
+    enc = encode_stacked(fmt, x, name=name, amax=kept[AMAX])
+    if not torch.equal(enc[AMAX], kept[AMAX]):  # a subnormal amax would be encoded as 1.0
+        i = int(torch.nonzero(enc[AMAX] != kept[AMAX])[0])
+        raise CheckpointError(f"{name}{AMAX}: {float(kept[AMAX][i])} cannot be kept (below 2^-126)")
+    return enc
 
 
 def _file_groups(base: _Base, units: list[_Unit]) -> list[list[str]]:
@@ -374,7 +463,7 @@ def plan_merge(base: str | Path, adapter: str | Path) -> list[dict[str, Any]]:
         b.close()
         ad.close()
     return [{"base": u.base, "module": u.target.key, "layer": u.layer,
-             "format": u.fmt.name if u.fmt else DTYPE_NAMES.get(b.meta[u.base][1], str(b.meta[u.base][1])),
+             "format": u.stack.fmt if u.stack else DTYPE_NAMES.get(b.meta[u.base][1], str(b.meta[u.base][1])),
              "rewrites": u.writes, "bytes": sum(b.span(n)[2] - b.span(n)[1] for n in u.writes)} for u in units]
 
 
