@@ -7,7 +7,6 @@ The manifest JSON is that ``{name: hex}`` map, so it can be passed to the engine
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,18 +15,12 @@ from pathlib import Path
 import torch
 
 from ..errors import IntegrityError
-from .buckets import pairs as _pairs
+from ..sync.verify import pairs as _pairs, tensor_sha256
 
 MANIFEST_FILE = "adapter_sha256.json"
 
 __all__ = ["MANIFEST_FILE", "ManifestReport", "build_manifest", "check_manifest", "read_manifest",
            "tensor_sha256", "verify_manifest", "write_manifest"]
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 of ``t.detach().cpu().contiguous().flatten().view(torch.uint8)`` (the engine's
-    expression), hashed from the tensor's own buffer without a bytes copy."""
-    return hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def build_manifest(emitted) -> dict[str, str]:

@@ -21,10 +21,10 @@ from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.mapping import DEFAULT_PRESET, Entry, MegatronMapping, Preset
 from ..model.precision import PrecisionPlan
+from .buckets import DEFAULT_BUCKET_BYTES, Bucket, pack
 
 Selection = Literal["all", "experts", "non-experts"]
 SELECTIONS = ("all", "experts", "non-experts")
-DEFAULT_BUCKET_BYTES = 512 << 20
 _WRAPPER = "module."  # DDP / Float16Module wrappers in front of Megatron names
 
 #: How a trainer's live module names one layer's routed experts, given the checkpoint key
@@ -69,29 +69,6 @@ class LoadGroup:
         if self._nbytes is None:
             self._nbytes = sum(t.numel() * t.element_size() for _, t in self.tensors)
         return self._nbytes
-
-
-@dataclass
-class Bucket:
-    """Whole load groups, at most ``bucket_bytes`` unless one group alone is larger."""
-
-    groups: list[LoadGroup] = field(default_factory=list)
-    nbytes: int = 0
-
-    def add(self, group: LoadGroup) -> None:
-        self.groups.append(group)
-        self.nbytes += group.nbytes
-
-    @property
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """What ``update_weights_from_tensor`` takes."""
-        return [nt for g in self.groups for nt in g.tensors]
-
-    def __iter__(self):
-        return iter(self.named_tensors)
-
-    def __len__(self) -> int:
-        return sum(len(g.tensors) for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -279,14 +256,8 @@ class WeightSync:
                 local_experts: int | None = None) -> Iterator[Bucket]:
         """Load groups packed in order into buckets of at most ``bucket_bytes`` (a group larger
         than the budget travels alone: groups are never split)."""
-        cur = Bucket()
-        for g in self.groups(named_tensors, expert_offset=expert_offset, local_experts=local_experts):
-            if cur.groups and cur.nbytes + g.nbytes > self.bucket_bytes:
-                yield cur
-                cur = Bucket()
-            cur.add(g)
-        if cur.groups:
-            yield cur
+        return pack(self.groups(named_tensors, expert_offset=expert_offset, local_experts=local_experts),
+                    self.bucket_bytes)
 
     def _plain_group(self, name: str, key: str, tensor: torch.Tensor) -> LoadGroup:
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,8 +12,7 @@ import torch
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's raw bytes (row-major, as stored in safetensors): dtype and shape not included."""
-    b = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(b).hexdigest()
+    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def _items(emitted, expert_offset: int | None) -> Iterable[tuple[str, torch.Tensor, tuple[int, int] | None]]:
@@ -25,11 +24,16 @@ def _items(emitted, expert_offset: int | None) -> Iterable[tuple[str, torch.Tens
             yield item[0], item[1], None if expert_offset is None else (expert_offset, None)
         elif hasattr(item, "groups"):
             for g in item.groups:
-                yield from ((n, t, g.rows) for n, t in g.tensors)
+                yield from ((n, t, getattr(g, "rows", None)) for n, t in g.tensors)
         elif hasattr(item, "tensors"):
-            yield from ((n, t, item.rows) for n, t in item.tensors)
+            yield from ((n, t, getattr(item, "rows", None)) for n, t in item.tensors)
         else:
             raise TypeError(f"cannot read (name, tensor) pairs from {type(item).__name__}")
+
+
+def pairs(emitted) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` from buckets, groups (load or adapter groups) or pairs, in order."""
+    return ((n, t) for n, t, _ in _items(emitted, None))
 
 
 def digests(emitted) -> dict[str, str]:
