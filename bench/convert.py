@@ -62,8 +62,10 @@ def settle(*folders: Path) -> None:
                     os.close(fd)
 
 
-def run_measured(cmd: list[str], *inputs: Path) -> tuple[float, int]:
-    """Run ``cmd`` from a settled state; (wall seconds, peak RSS bytes of that process)."""
+def run_measured_cpu(cmd: list[str], *inputs: Path) -> tuple[float, float, int]:
+    """Run ``cmd`` from a settled state; (wall seconds, the child's CPU seconds (user + system),
+    peak RSS bytes of that process). CPU time is stretched far less than wall time by a loaded
+    shared machine."""
     settle(*inputs)
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -73,7 +75,57 @@ def run_measured(cmd: list[str], *inputs: Path) -> tuple[float, int]:
     p.returncode = os.waitstatus_to_exitcode(status)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{out}\n{err}")
-    return wall, usage.ru_maxrss * 1024
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def run_measured(cmd: list[str], *inputs: Path) -> tuple[float, int]:
+    """Run ``cmd`` from a settled state; (wall seconds, peak RSS bytes of that process)."""
+    wall, _, rss = run_measured_cpu(cmd, *inputs)
+    return wall, rss
+
+
+def figures(wall: float, rss: int, nbytes: int, **extra) -> dict:
+    """One step's figures: seconds, bytes, MB/s (1 MB = 10^6 B), peak RSS (and ``extra``)."""
+    return {"seconds": wall, "bytes": nbytes, "mb_s": nbytes / wall / 1e6, "peak_rss": rss, **extra}
+
+
+def shard_bytes(folder: Path) -> int:
+    """Bytes of a folder's ``*.safetensors`` files (what :func:`plain_copy` copies)."""
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+
+
+def make_wide(fixture: Path, variant: str, layers: int, *extra: str) -> None:
+    """Generate the ``wide`` fixture ``fixture`` with make-fixture, unless it exists."""
+    if fixture.exists():
+        return
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "inkling_ckpt", "make-fixture", str(fixture), "--size", "wide", "--variant",
+                    variant, "--layers", str(layers), *extra, "--max-shard-size", "2GB", "-q"], check=True, env=_env())
+    print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def plain_measured(src: Path, work: Path) -> tuple[float, float, int]:
+    """The baseline, in its own process: :func:`plain_copy` of ``src`` into ``work``/plain-copy
+    (removed after); (wall seconds, CPU seconds, peak RSS bytes)."""
+    copy = work / "plain-copy"
+    m = run_measured_cpu([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                          f"import convert as b; b.plain_copy({str(src)!r}, {str(copy)!r})"], src)
+    shutil.rmtree(copy)
+    return m
+
+
+def plain(src: Path, work: Path) -> dict:
+    """:func:`figures` of the baseline copy of ``src``'s shard files."""
+    wall, _, rss = plain_measured(src, work)
+    return figures(wall, rss, shard_bytes(src))
+
+
+def best_plain(res: dict, before: dict, after: dict) -> None:
+    """Record the baseline: the faster of a plain copy before and after the measured steps (the
+    page cache and writeback of a shared machine vary; the faster one is the stricter yardstick)."""
+    res["plain"] = max(before, after, key=lambda m: m["mb_s"])
+    res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
+    res["load_avg"] = os.getloadavg()[0]
 
 
 def plain_copy(src: str, dst: str) -> None:
@@ -107,45 +159,27 @@ def largest_tensor(fixture: Path) -> int:
 def bench_size(work: Path, layers: int, keep: bool, variant: str = "bf16") -> dict:
     cli = [sys.executable, "-m", "inkling_ckpt"]
     fixture = work / f"wide-{variant}-{layers}L"
-    if not fixture.exists():
-        t0 = time.perf_counter()
-        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", variant, "--layers", str(layers),
-                              "--max-shard-size", "2GB", "-q"], check=True, env=_env())
-        print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    src_bytes = sum(f.stat().st_size for f in fixture.glob("*.safetensors"))
+    make_wide(fixture, variant, layers)
+    src_bytes = shard_bytes(fixture)
     res: dict = {"layers": layers, "variant": variant, "fixture_bytes": src_bytes, "largest_tensor": largest_tensor(fixture)}
-
-    def plain() -> dict:
-        copy = work / "plain-copy"
-        wall, rss = run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                  f"import convert as b; b.plain_copy({str(fixture)!r}, {str(copy)!r})"], fixture)
-        shutil.rmtree(copy)
-        return {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
-
-    before = plain()
+    before = plain(fixture, work)
 
     mg = work / "mg"
     wall, rss = run_measured(cli + ["convert", "hf-to-megatron", str(fixture), str(mg), "-q"], fixture)
     out_bytes = folder_bytes(mg / "release")
-    res["hf-to-megatron"] = {"seconds": wall, "bytes": out_bytes, "mb_s": out_bytes / wall / 1e6, "peak_rss": rss}
+    res["hf-to-megatron"] = figures(wall, rss, out_bytes)
 
     back = work / "back"
     # Back into the fixture's own precision (BF16: no encoding; mixed: NVFP4/MXFP8 encode, scales kept).
     wall, rss = run_measured(cli + ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(fixture),
                                     "--max-shard-size", "2GB", "-q"], fixture, mg)
-    back_bytes = sum(f.stat().st_size for f in back.glob("*.safetensors"))
-    res["megatron-to-hf"] = {"seconds": wall, "bytes": back_bytes, "mb_s": back_bytes / wall / 1e6, "peak_rss": rss}
+    res["megatron-to-hf"] = figures(wall, rss, shard_bytes(back))
     same = subprocess.run(["cmp", "-s", *sorted(str(p) for p in fixture.glob("*.safetensors"))[:1],
                            *sorted(str(p) for p in back.glob("*.safetensors"))[:1]]).returncode == 0
     res["round_trip_first_shard_identical"] = same
     shutil.rmtree(mg)
     shutil.rmtree(back)
-    # The baseline is the faster of a plain copy before and after the conversions (the page cache
-    # and writeback of a shared machine vary; the faster one is the stricter yardstick).
-    after = plain()
-    res["plain"] = max(before, after, key=lambda m: m["mb_s"])
-    res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
-    res["load_avg"] = os.getloadavg()[0]
+    best_plain(res, before, plain(fixture, work))
     if not keep:
         shutil.rmtree(fixture)
     return res

@@ -167,38 +167,21 @@ def folder_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
 
 
-def run_measured(cmd: list[str], *inputs: Path) -> tuple[float, float, int]:
-    """Like ``convert.run_measured`` from a settled start; also the child's CPU seconds (user + system),
-    which a loaded shared machine stretches far less than wall time."""
-    cb.settle(*inputs)
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=cb._env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(p.pid, 0)
-    wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout.read().decode()}\n{p.stderr.read().decode()}")  # type: ignore[union-attr]
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
-
-
 def _figures(wall: float, cpu: float, rss: int, b: int) -> dict:
     return {"seconds": wall, "cpu_seconds": cpu, "bytes": b, "mb_s": b / wall / 1e6, "mb_per_cpu_s": b / cpu / 1e6,
             "peak_rss": rss}
 
 
 def measure(cmd: list[str], out: Path, *inputs: Path) -> dict:
-    wall, cpu, rss = run_measured(cmd, *inputs)
+    wall, cpu, rss = cb.run_measured_cpu(cmd, *inputs)
     b = folder_bytes(out)
     shutil.rmtree(out)
     return _figures(wall, cpu, rss, b)
 
 
 def plain(src: Path, work: Path) -> dict:
-    copy = work / "plain-copy"
-    wall, cpu, rss = run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                   f"import convert as b; b.plain_copy({str(src)!r}, {str(copy)!r})"], src)
-    b = folder_bytes(copy)
-    shutil.rmtree(copy)
-    return _figures(wall, cpu, rss, b)
+    wall, cpu, rss = cb.plain_measured(src, work)
+    return _figures(wall, cpu, rss, cb.shard_bytes(src))
 
 
 def line(what: str, m: dict, base: dict | None = None) -> str:

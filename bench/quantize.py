@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,36 +34,23 @@ ROOT = base.ROOT
 def bench_size(work: Path, layers: int, experts: int) -> dict:
     cli = [sys.executable, "-m", "inkling_ckpt"]
     fixture = work / f"wide-bf16-{layers}x{experts}"
-    if not fixture.exists():
-        t0 = time.perf_counter()
-        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", "bf16", "--layers", str(layers),
-                              "--experts", str(experts), "--max-shard-size", "2GB", "-q"], check=True, env=base._env())
-        print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    src_bytes = sum(f.stat().st_size for f in fixture.glob("*.safetensors"))
+    base.make_wide(fixture, "bf16", layers, "--experts", str(experts))
+    src_bytes = base.shard_bytes(fixture)
     res: dict = {"layers": layers, "experts": experts, "fixture_bytes": src_bytes,
                  "largest_tensor": base.largest_tensor(fixture)}
 
-    def plain() -> dict:
-        copy = work / "plain-copy"
-        wall, rss = base.run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                       f"import convert as b; b.plain_copy({str(fixture)!r}, {str(copy)!r})"], fixture)
-        shutil.rmtree(copy)
-        return {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
-
-    before = plain()
+    before = base.plain(fixture, work)
     plan = f"0-{max(0, layers // 2 - 1)}:nvfp4" + (f",{layers // 2}-{layers - 1}:mxfp8" if layers > 1 else "")
     q = work / "q"
     wall, rss = base.run_measured(cli + ["quantize", str(fixture), str(q), "--plan", plan, "--max-shard-size", "2GB", "-q"],
                                   fixture)
-    res["quantize"] = {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss, "plan": plan}
+    res["quantize"] = base.figures(wall, rss, src_bytes, plan=plan)
     d = work / "d"
     wall, rss = base.run_measured(cli + ["dequantize", str(q), str(d), "--max-shard-size", "2GB", "-q"], q)
-    res["dequantize"] = {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
+    res["dequantize"] = base.figures(wall, rss, src_bytes)
     shutil.rmtree(q)
     shutil.rmtree(d)
-    after = plain()
-    res["plain"] = max(before, after, key=lambda m: m["mb_s"])
-    res["load_avg"] = os.getloadavg()[0]
+    base.best_plain(res, before, base.plain(fixture, work))
     shutil.rmtree(fixture)
     return res
 

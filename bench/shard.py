@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,12 +35,8 @@ ROOT = b.ROOT
 def bench_size(work: Path, layers: int, variant: str, tp: int, ep: int, keep: bool) -> dict:
     cli = [sys.executable, "-m", "inkling_ckpt"]
     fixture = work / f"wide-{variant}-{layers}L"
-    if not fixture.exists():
-        t0 = time.perf_counter()
-        subprocess.run(cli + ["make-fixture", str(fixture), "--size", "wide", "--variant", variant, "--layers",
-                              str(layers), "--max-shard-size", "2GB", "-q"], check=True, env=b._env())
-        print(f"  generated {fixture.name} in {time.perf_counter() - t0:.0f} s", flush=True)
-    src_bytes = sum(f.stat().st_size for f in fixture.glob("*.safetensors"))
+    b.make_wide(fixture, variant, layers)
+    src_bytes = b.shard_bytes(fixture)
     sys.path.insert(0, str(ROOT))
     from inkling_ckpt.layouts.hf import HFCheckpoint
 
@@ -51,27 +45,17 @@ def bench_size(work: Path, layers: int, variant: str, tp: int, ep: int, keep: bo
     res: dict = {"layers": layers, "variant": variant, "tp": tp, "ep": ep, "fixture_bytes": src_bytes,
                  "layer_w13_bytes": layer_w13}
 
-    def plain() -> dict:
-        copy = work / "plain-copy"
-        wall, rss = b.run_measured([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-                                    f"import convert as b; b.plain_copy({str(fixture)!r}, {str(copy)!r})"], fixture)
-        shutil.rmtree(copy)
-        return {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
-
-    before = plain()
+    before = b.plain(fixture, work)
     sh, back = work / "sh", work / "back"
     wall, rss = b.run_measured(cli + ["shard", str(fixture), str(sh), "--tp", str(tp), "--ep", str(ep), "-q"], fixture)
-    res["shard"] = {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
+    res["shard"] = b.figures(wall, rss, src_bytes)
     wall, rss = b.run_measured(cli + ["shard", "--merge", str(sh), str(back), "-q"], sh)
-    res["merge"] = {"seconds": wall, "bytes": src_bytes, "mb_s": src_bytes / wall / 1e6, "peak_rss": rss}
+    res["merge"] = b.figures(wall, rss, src_bytes)
     res["identical"] = all(subprocess.run(["cmp", "-s", str(f), str(back / f.name)]).returncode == 0
                            for f in fixture.iterdir() if f.is_file() and not f.name.startswith("."))
     shutil.rmtree(sh)
     shutil.rmtree(back)
-    after = plain()
-    res["plain"] = max(before, after, key=lambda m: m["mb_s"])
-    res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
-    res["load_avg"] = os.getloadavg()[0]
+    b.best_plain(res, before, b.plain(fixture, work))
     if not keep:
         shutil.rmtree(fixture)
     return res

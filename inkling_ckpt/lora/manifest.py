@@ -12,8 +12,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..errors import IntegrityError
 from ..sync.verify import pairs as _pairs, tensor_sha256
 
