@@ -79,7 +79,7 @@ def write_variants(model, work: Path) -> dict[str, Path]:
     return out
 
 
-# ---- pytest fixtures shared by the shard / memory tests ----------------------------------------
+# ---- pytest fixtures shared by the shard / memory tests (``cli`` is conftest's) ----------------------------------------
 
 import pytest  # noqa: E402
 
@@ -91,32 +91,6 @@ def tiny_release(tmp_path_factory):
     work = tmp_path_factory.mktemp("release")
     model = transformers_model(work)
     return {"model": model, **write_variants(model, work)}
-
-
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """Run the CLI in-process with the shard and memory commands; returns (exit code, stdout, stderr).
-
-    Only these two commands are registered: the others are being rewritten for the release layout
-    on other branches and may not import here.
-    """
-    import inkling_ckpt.cli.app as app
-
-    def register() -> None:
-        from inkling_ckpt.cli import memory, shard  # noqa: F401
-
-    monkeypatch.setattr(app, "_register", register)
-
-    def run(*args: object) -> tuple[int, str, str]:
-        try:
-            app.main([str(a) for a in args])
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def tiny_config(**text) -> InklingConfig:

@@ -402,7 +402,7 @@ def test_cli_errors_are_one_line(work, dims, base_bf16, ad_random, cli):
     code, _, err = cli("lora", "export", dump, work / "bad-out", "--config", base_bf16, "--alpha", "-1")
     assert code == 2 and "lora_alpha must be a positive number" in err
     code, _, err = cli("lora", "merge", base_bf16, ad_random, base_bf16 / "sub")
-    assert code == 2 and "overlaps the input" in err
+    assert code == 2 and "inside the input" in err
 
 
 def test_inspect_verify_reports_a_changed_file(work, dims, base_bf16, dump):

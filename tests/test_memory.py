@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _release_tiny import cli, tiny_config, tiny_release  # noqa: F401  (pytest fixtures)
+from _release_tiny import tiny_config, tiny_release  # noqa: F401  (pytest fixtures)
 from inkling_ckpt.errors import PlanError
 from inkling_ckpt.layouts.hf import HFCheckpoint, read_header
 from inkling_ckpt.model.config import InklingConfig

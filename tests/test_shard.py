@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from _release_tiny import cli, tiny_release  # noqa: F401  (pytest fixtures)
+from _release_tiny import tiny_release  # noqa: F401  (pytest fixtures)
 from inkling_ckpt.errors import CheckpointError, IntegrityError, PlanError
 from inkling_ckpt.formats.stacked import decode_stacked
 from inkling_ckpt.layouts.hf import HFCheckpoint, read_header

@@ -77,10 +77,11 @@ def merge_cmd(
 
     Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. A few experts in memory at a time; a rerun resumes."""
     from ..lora import merge
-    from ..lora.merge import check_output_path, plan_merge
+    from ..layouts.paths import check_dst
+    from ..lora.merge import plan_merge
 
     if dry_run:
-        check_output_path(out, base, adapter)
+        check_dst(out, [base, adapter])
         plan = plan_merge(base, adapter)
         if as_json:
             typer.echo(json.dumps(plan, indent=2))

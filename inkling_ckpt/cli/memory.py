@@ -20,13 +20,7 @@ from ..model.presets import preset_plan
 from ..plan.memory import GPU_PRESETS, KV_DTYPES, bare_config_dtypes, memory_report, render_memory
 from ..layouts.limits import MAX_RANKS, check_count, check_config_bounds, config_from_dict
 from .app import app
-
-
-class Variant(str, Enum):
-    bf16 = "bf16"
-    mixed = "mixed"
-    mxfp8 = "mxfp8"
-    nvfp4 = "nvfp4"
+from .checkpoint import Variant
 
 
 class EmbedDtype(str, Enum):

@@ -324,10 +324,11 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
     from ..layouts.staging import Staging
     from ..progress import ByteProgress
     from .io import TrainerSource, load_dims, write_adapter
-    from .merge import _identity, check_output_path
+    from ..layouts.paths import check_dst
+    from .merge import _identity
 
     src_p, dst_p = Path(src), Path(dst)
-    check_output_path(dst_p, src_p)
+    check_dst(dst_p, [src_p])
     dims = load_dims(config)
     source = TrainerSource.open(src_p, num_layers=dims.num_layers)
     if alpha is None:

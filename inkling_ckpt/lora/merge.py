@@ -30,6 +30,7 @@ from ..errors import AdapterError, CheckpointError, OutputError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
+from ..layouts.paths import check_dst, inside
 from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
@@ -81,11 +82,9 @@ class _Base:
             files = [SINGLE]
         else:
             raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE}")
-        rr = root.resolve()
         for f in files:
-            p = (root / str(f)).resolve()
-            if rr not in p.parents or not p.is_file():
-                raise CheckpointError(f"{root}: shard {f!r} is missing or outside the folder")
+            if not inside(root, f, str(root / INDEX), "shard").is_file():
+                raise CheckpointError(f"{root}: shard {f!r} is missing")
         self.files = files
         self.headers = {f: raw_header(root / f) for f in files}
         self.where: dict[str, str] = {}
@@ -443,15 +442,6 @@ def _identity(path: Path) -> list[Any]:
     return [[str(p.relative_to(path) if p != path else p.name), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
-def check_output_path(dst: Path, *inputs: Path) -> None:
-    """Never write into, over or around an input."""
-    d = dst.resolve()
-    for i in inputs:
-        r = i.resolve()
-        if d == r or r in d.parents or d in r.parents:
-            raise OutputError(f"{dst}: overlaps the input {i}; choose another destination")
-
-
 def plan_merge(base: str | Path, adapter: str | Path) -> list[dict[str, Any]]:
     """What a merge would do, from headers only: per adapted base tensor, its row, layer, format
     and the tensors rewritten. Raises the same errors the merge would, before any writing."""
@@ -479,7 +469,7 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
     (for testing the codec round trip).
     """
     base_p, ad_p, dst_p = Path(base), Path(adapter), Path(dst)
-    check_output_path(dst_p, base_p, ad_p)
+    check_dst(dst_p, [base_p, ad_p])
     b = _Base(base_p)
     ad = Adapter.open(ad_p)
     units = plan_units(b, ad)
@@ -537,4 +527,4 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
         res.bytes = total
 
 
-__all__ = ["MergeResult", "merge", "plan_merge", "plan_units", "check_output_path"]
+__all__ = ["MergeResult", "merge", "plan_merge", "plan_units"]
