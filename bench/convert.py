@@ -156,6 +156,17 @@ def largest_tensor(fixture: Path) -> int:
     return max(t.nbytes for t in HFCheckpoint.open(fixture).tensors.values())
 
 
+def step_line(what: str, m: dict, plain: dict, width: int) -> str:
+    """One printed row of a step's :func:`figures`, beside the baseline ``plain``."""
+    return (f"  {what:{width}s} {m['bytes'] / 1e9:6.2f} GB in {m['seconds']:6.1f} s = {m['mb_s']:7.1f} MB/s "
+            f"({m['mb_s'] / plain['mb_s']:4.0%} of plain)  peak RSS {m['peak_rss'] / 2**20:7.1f} MiB")
+
+
+def rss_spread(peaks: list[int]) -> tuple[str, float]:
+    """Peak RSS figures in MiB (as printed) and their spread (max / min - 1)."""
+    return ", ".join(f"{p / 2**20:.0f}" for p in peaks), max(peaks) / min(peaks) - 1
+
+
 def bench_size(work: Path, layers: int, keep: bool, variant: str = "bf16") -> dict:
     cli = [sys.executable, "-m", "inkling_ckpt"]
     fixture = work / f"wide-{variant}-{layers}L"
@@ -202,16 +213,13 @@ def main() -> None:
         results.append(r)
         print(f"  plain runs {', '.join(f'{x:.0f}' for x in r['plain_runs_mb_s'])} MB/s; load average {r['load_avg']:.1f}")
         for what in ("plain", "hf-to-megatron", "megatron-to-hf"):
-            m = r[what]
-            ratio = m["mb_s"] / r["plain"]["mb_s"]
-            print(f"  {what:15s} {m['bytes'] / 1e9:6.2f} GB in {m['seconds']:6.1f} s = {m['mb_s']:7.1f} MB/s "
-                  f"({ratio:4.0%} of plain)  peak RSS {m['peak_rss'] / 2**20:7.1f} MiB", flush=True)
+            print(step_line(what, r[what], r["plain"], 15), flush=True)
     print("checks:")
     limit = 3 * max(r["largest_tensor"] for r in results) + 512 * 2**20
     for what in ("hf-to-megatron", "megatron-to-hf"):
         peaks = [r[what]["peak_rss"] for r in results]
-        spread = max(peaks) / min(peaks) - 1
-        print(f"  {what}: peak RSS {', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB; spread {spread:.1%} (<= 10%: "
+        shown, spread = rss_spread(peaks)
+        print(f"  {what}: peak RSS {shown} MiB; spread {spread:.1%} (<= 10%: "
               f"{'yes' if spread <= 0.10 else 'NO'}); below 3 x largest tensor + 512 MiB = {limit / 2**20:.0f} MiB: "
               f"{'yes' if max(peaks) < limit else 'NO'}")
         ratios = [r[what]["mb_s"] / r["plain"]["mb_s"] for r in results]

@@ -262,8 +262,8 @@ def main() -> None:
     print(f"load average {res['load_avg_start']:.1f} at start, {res['load_avg_end']:.1f} at end")
     for variant in args.variants:
         peaks = [res[k]["merge"]["peak_rss"] for k in res if k.startswith(f"merge-{variant}-")]
-        print(f"merge {variant}: peak RSS {', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB at 1 and {args.merge_layers} layers "
-              f"(spread {max(peaks) / min(peaks) - 1:.1%})")
+        shown, spread = cb.rss_spread(peaks)
+        print(f"merge {variant}: peak RSS {shown} MiB at 1 and {args.merge_layers} layers (spread {spread:.1%})")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")
 

@@ -70,16 +70,13 @@ def main() -> None:
         results.append(r)
         print(f"  largest tensor {r['largest_tensor'] / 2**20:.0f} MiB; load average {r['load_avg']:.1f}")
         for what in ("plain", "quantize", "dequantize"):
-            m = r[what]
-            print(f"  {what:11s} {m['bytes'] / 1e9:6.2f} GB in {m['seconds']:6.1f} s = {m['mb_s']:7.1f} MB/s "
-                  f"({m['mb_s'] / r['plain']['mb_s']:4.0%} of plain)  peak RSS {m['peak_rss'] / 2**20:7.1f} MiB", flush=True)
+            print(base.step_line(what, r[what], r["plain"], 11), flush=True)
     if len(results) > 1:
         print("checks:")
         for what in ("quantize", "dequantize"):
-            peaks = [r[what]["peak_rss"] for r in results]
-            spread = max(peaks) / min(peaks) - 1
+            shown, spread = base.rss_spread([r[what]["peak_rss"] for r in results])
             largest = ", ".join(f"{r['largest_tensor'] / 2**20:.0f}" for r in results)
-            print(f"  {what}: peak RSS {', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB while the largest tensor goes "
+            print(f"  {what}: peak RSS {shown} MiB while the largest tensor goes "
                   f"{largest} MiB; spread {spread:.1%} "
                   f"(<= 10%: {'yes' if spread <= 0.10 else 'NO'})")
     if args.json:

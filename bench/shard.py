@@ -80,17 +80,14 @@ def main() -> None:
         print(f"  plain runs {', '.join(f'{x:.0f}' for x in r['plain_runs_mb_s'])} MB/s; load average "
               f"{r['load_avg']:.1f}; merge byte-identical: {r['identical']}")
         for what in ("plain", "shard", "merge"):
-            m = r[what]
-            print(f"  {what:6s} {m['bytes'] / 1e9:6.2f} GB in {m['seconds']:6.1f} s = {m['mb_s']:7.1f} MB/s "
-                  f"({m['mb_s'] / r['plain']['mb_s']:4.0%} of plain)  peak RSS {m['peak_rss'] / 2**20:7.1f} MiB", flush=True)
+            print(b.step_line(what, r[what], r["plain"], 6), flush=True)
     print("checks:")
     limit = max(r["layer_w13_bytes"] for r in results) + 512 * 2**20
     for what in ("shard", "merge"):
-        peaks = [r[what]["peak_rss"] for r in results]
-        spread = max(peaks) / min(peaks) - 1
-        print(f"  {what}: peak RSS {', '.join(f'{p / 2**20:.0f}' for p in peaks)} MiB; spread {spread:.1%} (<= 10%: "
+        shown, spread = b.rss_spread([r[what]["peak_rss"] for r in results])
+        print(f"  {what}: peak RSS {shown} MiB; spread {spread:.1%} (<= 10%: "
               f"{'yes' if spread <= 0.10 else 'NO'}); below one layer's w13 + 512 MiB = {limit / 2**20:.0f} MiB: "
-              f"{'yes' if max(peaks) < limit else 'NO'}")
+              f"{'yes' if max(r[what]['peak_rss'] for r in results) < limit else 'NO'}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
 
