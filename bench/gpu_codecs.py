@@ -318,31 +318,17 @@ def layer_bench(E: int) -> dict:
     variants["ops_nvfp4_fresh"] = ops_nvfp4
     variants["ops_mxfp8"] = ops_mxfp8
 
-    try:
+    try:  # the weight-sync API: Megatron names in, release tensors out (one load group per layer), 512 MiB buckets
         from inkling_ckpt.convert.experts import ExpertEncoder
-        from inkling_ckpt.model.precision import PrecisionPlan
-
-        def per_expert(fmt):
-            enc = ExpertEncoder(PrecisionPlan.parse(fmt, 1))
-
-            def run():
-                for e in range(E):
-                    enc.encode(0, e, {"gate_proj": fc1[e, :I], "up_proj": fc1[e, I:], "down_proj": fc2[e]})
-            return run
-
-        variants["ExpertEncoder_per_expert_nvfp4"] = per_expert("nvfp4")
-        variants["ExpertEncoder_per_expert_mxfp8"] = per_expert("mxfp8")
-    except Exception as ex:
-        print("ExpertEncoder variant unavailable:", ex)
-
-    try:  # the weight-sync API: Megatron names in, served HF tensors out, 512 MiB buckets
         from inkling_ckpt.model.config import InklingConfig
+        from inkling_ckpt.model.inventory import expert_stacks
         from inkling_ckpt.model.precision import PrecisionPlan
         from inkling_ckpt.model.presets import preset_config
         from inkling_ckpt.sync import WeightSync
 
         cfg = InklingConfig.from_dict(preset_config("full", layers=2, experts=E))
-        sync = WeightSync(cfg, PrecisionPlan.parse("0:nvfp4,1:mxfp8", 2), scales="fresh", select="experts")
+        plan = PrecisionPlan.parse("0:nvfp4,1:mxfp8", 2)
+        sync = WeightSync(cfg, plan, scales="fresh", select="experts")
 
         def via_sync(layer):
             pre = f"decoder.layers.{layer}.mlp.experts.experts."
@@ -355,9 +341,22 @@ def layer_bench(E: int) -> dict:
                 return n
             return run
 
+        def per_expert_reference(layer):
+            """The reference path (ExpertEncoder, expert by expert through the codec) on the same tensors."""
+            enc = ExpertEncoder(plan)
+            w13, w2 = expert_stacks(cfg, plan, layer)
+            x13 = torch.stack([fc1[:, :I], fc1[:, I:]], dim=2).reshape(E, 2 * I, H)
+
+            def run():
+                enc.encode(w13, 0, x13)
+                enc.encode(w2, 0, fc2)
+            return run
+
         variants["WeightSync_layer_nvfp4_fresh"] = via_sync(0)
         variants["WeightSync_layer_mxfp8"] = via_sync(1)
-    except Exception as ex:
+        variants["ExpertEncoder_reference_nvfp4"] = per_expert_reference(0)
+        variants["ExpertEncoder_reference_mxfp8"] = per_expert_reference(1)
+    except Exception:
         import traceback
         traceback.print_exc()
 

@@ -35,3 +35,8 @@ class IntegrityError(CheckpointError):
 
 class OutputError(InklingError):
     """The destination cannot be written (exists, read-only, full)."""
+
+
+class AdapterError(CheckpointError):
+    """A LoRA adapter that does not fit the schema: unknown or excluded module, a factor without
+    its pair, ranks that disagree, a shared factor that differs across experts, wrong shapes."""

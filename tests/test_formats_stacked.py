@@ -161,3 +161,16 @@ def test_no_silent_casts_and_bad_shapes():
         stacked_parts("nvfp4", (2, 4, 24))
     with pytest.raises(FormatError, match="float32"):
         encode_stacked("nvfp4", _w(), name="w", amax=torch.ones(6, dtype=torch.float64))
+
+
+def test_encode_nonfinite_expert_is_named_or_allowed():
+    """NaN in one expert: NonFiniteError naming the expert and index; allowed, the amax of its finite values."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 8, 32, generator=g).bfloat16()
+    x[1, 5, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"w13\[expert 1\].*\(5, 7\)"):
+        encode_stacked("nvfp4", x, name="w13")
+    parts = encode_stacked("nvfp4", x, name="w13", allow_nonfinite=True)
+    finite = torch.where(torch.isfinite(x[1].float()), x[1].float().abs(), 0).amax()
+    assert float(parts["_amax"][1]) == float(finite)
+    assert torch.equal(parts["_amax"][[0, 2]], x[[0, 2]].float().abs().amax(dim=(1, 2)))

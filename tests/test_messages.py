@@ -39,7 +39,7 @@ def test_impossible_config_value_names_both_fields_and_values(tmp_path):
     bad = _edit_config(TINY["bf16"], tmp_path / "b", lambda c: c["text_config"].update(num_experts_per_tok=9))
     with pytest.raises(InklingError) as e:
         HFCheckpoint.open(bad)
-    assert str(e.value) == ("config.json: text_config.num_experts_per_tok is 9, more than "
+    assert str(e.value) == (f"{bad / 'config.json'}: text_config.num_experts_per_tok is 9, more than "
                             "text_config.n_routed_experts (8)")
 
 

@@ -46,7 +46,7 @@ def test_mixed_vs_bf16_sqnr_per_format(mixed_vs_bf16):
     assert f["dense"]["bit_exact_tensors"] == f["dense"]["tensors"] and f["dense"]["sqnr_db"] is None
     assert [(r["layer"], r["format"]) for r in mixed_vs_bf16["layers"]] == [
         (0, "nvfp4"), (1, "nvfp4"), (2, "mxfp8"), (3, "mxfp8")]
-    assert all(r["tensors"] == 8 * 3 for r in mixed_vs_bf16["layers"])
+    assert all(r["tensors"] == 2 for r in mixed_vs_bf16["layers"])  # a layer's stacked w13 and w2
     sq = [t["sqnr_db"] for t in mixed_vs_bf16["tensors"] if t["sqnr_db"] is not None]
     assert sq == sorted(sq)  # worst first
     assert mixed_vs_bf16["tensors"][0]["format"] == "nvfp4"
@@ -55,7 +55,9 @@ def test_mixed_vs_bf16_sqnr_per_format(mixed_vs_bf16):
 def test_report_schema(mixed_vs_bf16):
     rep = mixed_vs_bf16
     assert rep["schema"] == SCHEMA
-    assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds"}
+    assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared"}
+    assert rep["not_compared"] == {"only_a": [], "only_b": []}
+    assert set(rep["a"]) == {"path", "layout", "variant", "plan"}
     stats = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs", "rel_rmse", "sqnr_db"}
     assert all(set(v) == stats for v in rep["formats"].values())
     assert all(set(r) == stats | {"layer", "format"} for r in rep["layers"])
@@ -109,10 +111,10 @@ def test_cli_bad_input(tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(FIXTURES / "tiny-bf16", other)
     cfg = json.loads((FIXTURES / "tiny-bf16" / "config.json").read_text())
-    cfg["text_config"]["sliding_window"] = 32
+    cfg["text_config"]["num_experts_per_tok"] = 4  # same tensors, another model
     (other / "config.json").unlink()
     (other / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="configs differ in sliding_window"):
+    with pytest.raises(CheckpointError, match="configs differ in num_experts_per_tok"):
         compare(FIXTURES / "tiny-bf16", other, progress=False)
 
 

@@ -29,6 +29,7 @@ def _register() -> None:
     from . import memory  # noqa: F401
     from . import verify  # noqa: F401
     from . import convert  # noqa: F401
+    from . import lora  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> None:

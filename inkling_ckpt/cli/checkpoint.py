@@ -12,7 +12,10 @@ import typer
 from ..convert.requantize import Result, requantize
 from ..errors import PlanError
 from ..verify.inspect import inspect_checkpoint, render_inspect
+from ..layouts.detect import open_checkpoint
 from ..layouts.hf import HFCheckpoint, parse_size
+from ..layouts.limits import check_count
+from ..layouts.paths import check_dst
 from ..model.precision import PrecisionPlan
 from ..model.presets import PRESETS, preset_plan
 from ..model.synth import SynthSource
@@ -37,9 +40,13 @@ class Size(str, Enum):
     wide = "wide"
 
 
+MAX_FIXTURE_LAYERS = 256  # synthetic checkpoints: far beyond any test, well below a hang
+MAX_FIXTURE_EXPERTS = 4096
 SHARD_OPT = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")
 FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output.")
 QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
+CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt (whose "
+                          "common.pt keeps no copy): the model's config.json, or the HF folder holding it.")
 NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
 
 
@@ -69,6 +76,8 @@ def make_fixture(
 
     The quantized variants are exactly what `quantize` makes of the BF16 one.
     """
+    check_count(layers, "--layers", MAX_FIXTURE_LAYERS)
+    check_count(experts, "--experts", MAX_FIXTURE_EXPERTS)
     src = SynthSource(size.value, layers=layers, experts=experts)
     plan = PrecisionPlan.parse(preset_plan(size.value, variant.value, src.cfg.num_hidden_layers), src.cfg.num_hidden_layers)
     result = requantize(src, out, plan, max_shard_size=parse_size(max_shard_size), force=force,
@@ -78,11 +87,20 @@ def make_fixture(
 
 @app.command("inspect")
 def inspect_cmd(
-    ckpt: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id)."),
+    ckpt: str = typer.Argument(..., help="Checkpoint folder: HF (or hub repo id), sharded (inkling-ckpt shard) or "
+                                         "Megatron torch_dist (convert hf-to-megatron)."),
+    config: Optional[Path] = CONFIG_OPT,
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Variant, precision plan, tensors per layer and format, and bytes — from headers only."""
-    info = inspect_checkpoint(HFCheckpoint.open(ckpt))
+    """Variant, precision plan, tensors per layer and format, and bytes — from headers only.
+
+    The layout is detected from the folder. A torch_dist folder is shown as the release tensors it holds (read back through the key mapping: routed experts BF16, no vision tower).
+    """
+    src = open_checkpoint(ckpt, config=config)
+    try:
+        info = inspect_checkpoint(src)
+    finally:
+        src.close()
     typer.echo(json.dumps(info, indent=2) if as_json else render_inspect(info))
 
 
@@ -105,6 +123,7 @@ def quantize(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
+    check_dst(dst, [src, reference])
     ckpt = HFCheckpoint.open(src)
     ref = HFCheckpoint.open(reference) if reference else None
     result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
@@ -122,6 +141,7 @@ def dequantize(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Decode every routed expert to BF16."""
+    check_dst(dst, [src])
     ckpt = HFCheckpoint.open(src)
     if ckpt.plan.variant == "bf16":
         raise PlanError(f"{src} is already BF16")

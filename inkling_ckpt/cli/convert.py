@@ -15,6 +15,8 @@ from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf,
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
+from ..layouts.limits import check_count
+from ..layouts.paths import check_dst
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app
@@ -106,12 +108,14 @@ def hf_to_megatron_cmd(
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
-    Routed experts are decoded from their layer's format to BF16 and de-interleaved per expert (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2F, H], gate rows then up rows), stored one chunk per expert; every other tensor keeps its stored dtype. q/k/v/r are four sub-keys of `linear_qkv.weight`. The vision tower is not part of a Megatron checkpoint (megatron-to-hf takes it from --reference). Load it with any TP/EP/PP; metadata.json is written last.
+    Routed experts are decoded from their layer's format to BF16 and de-interleaved per expert (`decoder.layers.N.mlp.experts.experts.linear_fc1.weight` = [E, 2F, H], gate rows then up rows), stored one chunk per expert; every other tensor keeps its stored dtype. q/k/v/r are four sub-keys of `linear_qkv.weight`. The vision tower is not part of a Megatron checkpoint (megatron-to-hf takes it from --reference). common.pt keeps the source config.json (under 'inkling'), so inspect, verify and memory read the folder as it is. Load it with any TP/EP/PP; metadata.json is written last.
 
     Under `torchrun --nproc_per_node N` the ranks split the layers and write one checkpoint together (the same files as a one-process run).
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
+    if not dry_run:
+        check_dst(dst, [src])
     if dry_run:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
         info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks)
@@ -150,6 +154,8 @@ def megatron_to_hf_cmd(
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
     _one_process("megatron-to-hf")
+    if not dry_run:
+        check_dst(dst, [src, reference])
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
@@ -180,6 +186,7 @@ def hf_to_hf_cmd(
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
     _one_process("hf-to-hf")
+    check_dst(dst, [src])
     _steady_memory()
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]

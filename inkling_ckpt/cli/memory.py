@@ -11,12 +11,14 @@ import torch
 import typer
 
 from ..errors import ConfigError, PlanError
-from ..layouts.hf import INDEX, HFCheckpoint, parse_size
+from ..layouts.detect import HF, TORCH_DIST, detect_layout, open_checkpoint
+from ..layouts.hf import INDEX, parse_size
 from ..model.config import InklingConfig, read_json
-from ..model.inventory import inventory
+from ..model.inventory import inventory, vision_specs
 from ..model.precision import PrecisionPlan
 from ..model.presets import preset_plan
 from ..plan.memory import GPU_PRESETS, KV_DTYPES, bare_config_dtypes, memory_report, render_memory
+from ..layouts.limits import MAX_RANKS, check_count, check_config_bounds, config_from_dict
 from .app import app
 
 
@@ -36,7 +38,9 @@ _EMBED = {EmbedDtype.bf16: torch.bfloat16, EmbedDtype.f32: torch.float32}
 
 _HELP = "\n\n".join([
     'Bytes per GPU by category under --tp N --ep M, whether it fits, and the KV-cache pool.',
-    ('CKPT_OR_CONFIG is a checkpoint folder (read from its headers only: no tensor data) or a bare '
+    ('CKPT_OR_CONFIG is a checkpoint folder — HF, sharded (inkling-ckpt shard) or Megatron torch_dist '
+     '(convert hf-to-megatron: routed experts BF16, the vision tower counted from the config) — read from its '
+     'headers only (no tensor data), or a bare '
      'config.json (or a folder holding only one) with --variant or --plan, so the full-size model can be '
      'planned with no weights on disk. A bare config assumes BF16 for every non-expert tensor; '
      '--embed-dtype f32 stores embed and unembed in F32 (what the release cookbook counts: +3.7 GB). '
@@ -51,19 +55,46 @@ _HELP = "\n\n".join([
 ])
 
 
-def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], embed: Optional[EmbedDtype]):
+def _holds_weights(p: Path) -> str | None:
+    """The layout of a checkpoint folder with weights (HF, sharded, torch_dist); None for a bare config."""
+    if not p.is_dir():
+        return None
+    kind = detect_layout(p)
+    if kind == HF and not ((p / INDEX).is_file() or any(p.glob("*.safetensors"))):
+        return None  # a folder holding only a config.json
+    return kind
+
+
+def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], embed: Optional[EmbedDtype],
+          config: Optional[Path] = None):
     p = Path(source)
-    has_weights = p.is_dir() and ((p / INDEX).is_file() or any(p.glob("*.safetensors")))
-    if has_weights:
+    kind = _holds_weights(p)
+    if kind is not None:
         if variant is not None or plan_text is not None or embed is not None:
             raise PlanError(f"{source} holds weights: its precision plan and dtypes are read from it "
                             "(drop --variant/--plan/--embed-dtype)")
-        ckpt = HFCheckpoint.open(p)  # validated against the tensor table from the headers
-        return ckpt.cfg, ckpt.plan, ckpt.expected(), str(ckpt.root), "as stored (from the headers)"
+        # Validated against the tensor table from headers / metadata only (no tensor data, no checksums).
+        ckpt = open_checkpoint(p, config=config, layout=kind)
+        try:
+            specs, note = ckpt.expected(), "as stored (from the headers)"
+            if kind == TORCH_DIST:
+                note = "as stored in torch_dist (from its metadata): routed experts BF16"
+                if ckpt.cfg.vision is not None:
+                    # Served, the model carries its vision tower; Megatron holds the text model only.
+                    specs = specs + vision_specs(ckpt.cfg)
+                    note += "; vision tower not stored there, counted from the config (BF16)"
+            return ckpt.cfg, ckpt.plan, specs, str(ckpt.root), note
+        finally:
+            ckpt.close()
+    if config is not None:
+        raise PlanError("--config is for a torch_dist folder that keeps no config; a bare config.json is "
+                        "CKPT_OR_CONFIG itself")
     config_path = p / "config.json" if p.is_dir() else p
     if not config_path.is_file():
         raise ConfigError(f"{source} is neither a checkpoint folder nor a config.json")
-    cfg = InklingConfig.from_dict(read_json(config_path))
+    raw = read_json(config_path)
+    check_config_bounds(raw, config_path)
+    cfg = config_from_dict(raw, config_path)
     n = cfg.num_hidden_layers
     if plan_text is not None and variant is not None:
         raise PlanError("give --variant or --plan, not both")
@@ -97,9 +128,13 @@ def memory_cmd(
     kv_dtype: str = typer.Option("bf16", "--kv-dtype", help=f"KV-cache element format: {', '.join(KV_DTYPES)}."),
     context: Optional[int] = typer.Option(None, "--context", help="Sequence length for the 'sequences' column "
                                           "(default min(max_position_embeddings, 131072))."),
+    config: Optional[Path] = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt "
+                                          "(whose common.pt keeps no copy): the model's config.json or its HF folder."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    cfg, plan, specs, where, note = _load(source, variant, plan_text, embed_dtype)
+    check_count(tp, "--tp", MAX_RANKS)
+    check_count(ep, "--ep", MAX_RANKS)
+    cfg, plan, specs, where, note = _load(source, variant, plan_text, embed_dtype, config)
     rep = memory_report(cfg, plan, specs, tp, ep, source=where, dtypes_note=note, gpus=gpu,
                         gpu_bytes=parse_size(gpu_memory) if gpu_memory else None,
                         mem_fraction=mem_fraction, kv_dtype=kv_dtype, context=context)

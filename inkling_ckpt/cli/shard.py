@@ -12,6 +12,8 @@ from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
 from ..plan.memory import CATEGORIES, rank_memory, render_ranks
+from ..layouts.limits import MAX_RANKS, check_count
+from ..layouts.paths import check_dst
 from .app import app
 
 _HELP = "\n\n".join([
@@ -43,11 +45,14 @@ def shard_cmd(
     force: bool = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
+    check_count(tp, "--tp", MAX_RANKS)
+    check_count(ep, "--ep", MAX_RANKS)
     if merge_:
         if tp is not None or dry_run:
             raise PlanError("--merge takes no --tp/--dry-run: the plan is read from the manifest")
         if dst is None:
             raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
+        check_dst(dst, [src])
         res = merge(src, dst, force=force, progress=not quiet)
         if res.skipped:
             typer.echo(f"{dst}: already holds this merge; nothing to do (--force to redo)")
@@ -83,6 +88,7 @@ def shard_cmd(
         return
     if dst is None:
         raise PlanError("DST is required (or pass --dry-run)")
+    check_dst(dst, [src])
     res = shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet)
     if res.skipped:
         typer.echo(f"{dst}: already holds this shard job; nothing to do (--force to redo)")

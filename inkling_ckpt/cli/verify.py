@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PlanError
 from .app import app
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
@@ -19,7 +20,10 @@ _FORWARD_SCHEMA = "inkling-ckpt/verify-forward/v1"  # = verify.forward.SCHEMA
 
 _HELP = "\n\n".join([
     'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
-    ('A and B are HF checkpoints (BF16, mixed, MXFP8, NVFP4) or sharded folders of the same model. Routed '
+    ('A and B are checkpoints of the same model in any layout the toolkit writes, detected from the folder: HF '
+     '(BF16, mixed, MXFP8, NVFP4), sharded (inkling-ckpt shard) or Megatron torch_dist (convert hf-to-megatron; '
+     'read back through the key mapping as release tensors, routed experts BF16, no vision tower: vision tensors '
+     'only one side holds are listed as not compared). Routed '
      'experts are decoded per stacked tensor (a layer\'s w13 / w2) to float32; other tensors are compared as stored. Per tensor, per '
      'layer and per format: bit-exact elements, max abs error, relative RMSE sqrt(sum e^2 / sum a^2), SQNR '
      '10*log10(sum a^2 / sum e^2); worst tensors first.'),
@@ -54,12 +58,17 @@ def verify_cmd(
     device: str = typer.Option("cpu", "--device", help="--forward: cpu or cuda[:N]."),
     dtype: str = typer.Option("auto", "--dtype", help="--forward: auto (A's config dtype), bfloat16 or float32."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", help="--forward: fail (exit 1) if max KL(A||B) exceeds this."),
+    config: Optional[Path] = typer.Option(None, "--config", help="Model config.json (or a folder holding one) for a "
+                                          "torch_dist side not written by inkling-ckpt; default: the other side's."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
 ) -> None:
+    if min_sqnr is not None and not math.isfinite(min_sqnr):
+        raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
     if forward:
         _forward(a, b, as_json=as_json, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
                  dtype=dtype, max_kl=max_kl, quiet=quiet,
-                 tensor_only={"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact})
+                 tensor_only={"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
+                              "--config": config is not None})
         return
     forward_only = {"--tokens": tokens is not None, "--random": random is not None, "--max-kl": max_kl is not None}
     given = [k for k, v in forward_only.items() if v]
@@ -67,7 +76,7 @@ def verify_cmd(
         raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --forward")
     from ..verify.compare import build_report, compare, plot_report, render_report
 
-    rep = build_report(compare(a, b, progress=not quiet), min_sqnr=min_sqnr, exact=exact)
+    rep = build_report(compare(a, b, progress=not quiet, config=config), min_sqnr=min_sqnr, exact=exact)
     if plot is not None:
         plot_report(rep, plot)
     typer.echo(json.dumps(rep, indent=2) if as_json else render_report(rep, top=top))
@@ -85,6 +94,14 @@ def _forward(a: str, b: str, *, as_json: bool, tokens: Optional[Path], random: O
         raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
     if tokens is not None and random is not None:
         raise ConfigError("give --tokens FILE or --random N, not both")
+    from ..layouts.detect import HF, TORCH_DIST, detect_layout
+
+    for path in (a, b):
+        kind = detect_layout(path)
+        if kind != HF:
+            back = "convert megatron-to-hf" if kind == TORCH_DIST else "shard --merge"
+            raise ConfigError(f"{path}: a {kind} folder; --forward runs HF release checkpoints (compare it tensor by "
+                              f"tensor without --forward, or make an HF checkpoint of it with {back})")
     from ..verify.forward import compare_forward, load_transformers, read_tokens, render_forward_report
 
     load_transformers()  # the one-line missing-extra error before anything else

@@ -14,6 +14,9 @@ megatron-to-hf reads chunk by chunk, undoes the mapping, re-encodes each layer's
 a time in the layer's format (plan and, with ``--scales keep``, NVFP4 amax and unchanged blocks
 from the reference) and takes the vision tower and the configs from the reference HF checkpoint.
 
+``common.pt`` keeps the source ``config.json`` (``inkling.config``) beside the preset and the source
+plan, so the read-only commands open the folder with no ``--config`` (``layouts.torch_dist_release``).
+
 Both publish atomically (``layouts.staging``), skip a finished job unless forced and resume an
 interrupted one; in the torch_dist folder ``metadata.json`` is written last.
 """
@@ -34,8 +37,8 @@ from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
 from ..layouts.hf import DTYPE_TO_ST, HFWriter
 from ..layouts.megatron import (
-    RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir,
-    write_dcp, write_tracker,
+    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
+    finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
 from ..layouts.staging import Staging
 from ..model.inventory import expert_stacks, inventory, is_vision
@@ -207,7 +210,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     written = True
                     finish_iteration_dir(Path(st.path) / RELEASE, common_state(
                         inkling={"version": __version__, "preset": m.preset.name, "vocab_size": src.cfg.vocab_size,
-                                 "source_plan": str(src.plan)}))
+                                 "source_plan": str(src.plan), CONFIG_KEY: stored_config(src.config)}))
                     write_tracker(Path(st.path))
         except BaseException as e:
             if written:

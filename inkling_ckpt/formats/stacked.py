@@ -30,6 +30,7 @@ from ..errors import FormatError, NonFiniteError
 from ._base import block_amax_bits, check_out_dtype, row_chunks
 from .encodings import E4M3, decode_table
 from .nvfp4 import BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _pair_table
+from .nvfp4 import _amax as _nvfp4_amax
 from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 
 #: 6 × 448: the release's ``outer_scale_denominator`` (amax / 2688 = ModelOpt's weight_scale_2).
@@ -132,6 +133,9 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
     for i in range(e):
         # The expert's amax (kept, or its own max |x|); below 2^-126 the codec uses 1.0, so store that.
         ga = amax[i] if amax is not None else block_amax_bits(w[i].reshape(1, -1))[0]
+        if amax is None and not bool(torch.isfinite(ga)):
+            # NaN/Inf in the expert: NonFiniteError naming it, or (allowed) the amax of its finite values
+            ga = _nvfp4_amax(w[i].reshape(w.shape[1], -1), f"{name}[expert {i}]", allow_nonfinite)
         if bool(torch.isfinite(ga)) and float(ga) < MIN_GLOBAL_AMAX:
             ga = torch.ones((), dtype=torch.float32, device=w.device)
         p = codec.encode(w[i], name=f"{name}[expert {i}]", global_amax=ga, allow_nonfinite=allow_nonfinite)  # type: ignore[union-attr]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ from ..model.config import InklingConfig, read_json
 from ..model.inventory import FLOAT_DTYPES, Category, Scope, TensorSpec, detect_plan, inventory, is_vision, match_name, nbytes
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
+from .limits import check_config_bounds, config_from_dict
+from .paths import check_file_inside, check_name, inside
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 INDEX = "model.safetensors.index.json"
@@ -81,6 +84,8 @@ def resolve_source(source: str | Path) -> Path:
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
+    layout = "hf"
+
     def __init__(self, root: Path, config: dict[str, Any], cfg: InklingConfig, plan: PrecisionPlan,
                  tensors: dict[str, StoredTensor]):
         self.root = root
@@ -94,9 +99,10 @@ class HFCheckpoint:
     def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
         """Read the config and every shard header; each layer's expert format comes from the tensors present."""
         root = resolve_source(source)
-        config = read_json(root / "config.json")
-        cfg = InklingConfig.from_dict(config)
+        config = read_json(inside(root, "config.json", str(root)))
         files = _weight_map(root)
+        check_config_bounds(config, root / "config.json", tensors=len(files))
+        cfg = config_from_dict(config, root / "config.json")
         tensors: dict[str, StoredTensor] = {}
         by_file: dict[str, list[str]] = {}
         for name, f in files.items():
@@ -109,6 +115,9 @@ class HFCheckpoint:
             for name, st in header.items():
                 if name not in files:
                     raise CheckpointError(f"{root / f}: holds {name}, which the index does not list")
+                if files[name] != f:  # the index names one file; a second copy elsewhere is ambiguous
+                    raise CheckpointError(f"{root / f}: holds {name}, which the index places in {files[name]}; "
+                                          f"duplicate tensors across shards are refused")
                 tensors[name] = StoredTensor(name, f, *st)
         plan = detect_plan(cfg, {n: t.dtype for n, t in tensors.items()}, str(root))
         check_quant_config(config, plan, str(root))
@@ -194,11 +203,21 @@ class HFCheckpoint:
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def extra_files(self) -> dict[str, bytes]:
-        """Top-level files a writer copies through (tokenizer, generation config, ...)."""
-        return {p.name: p.read_bytes() for p in sorted(self.root.iterdir())
-                if p.is_file() and p.name not in _OWN_FILES and not p.name.endswith(".safetensors")
-                and not p.name.startswith(".")}
+    def extra_files(self) -> dict[str, Path]:
+        """Top-level files a writer copies through (tokenizer, generation config, ...), as paths:
+        :func:`write_extra_files` streams them. A symlink leaving the checkpoint folder is refused."""
+        out: dict[str, Path] = {}
+        for p in sorted(self.root.iterdir()):
+            if p.name in _OWN_FILES or p.name.endswith(".safetensors") or p.name.startswith("."):
+                continue
+            check_file_inside(self.root, p, str(self.root))
+            if p.is_file():
+                out[p.name] = p
+        return out
+
+    def storage(self) -> dict[str, Any]:
+        """How the folder stores the tensors (for ``inspect``)."""
+        return {"layout": self.layout, "files": len({t.file for t in self.tensors.values()})}
 
     def describe(self) -> dict[str, Any]:
         """What identifies this source for resume fingerprints: its tensor layout and file sizes."""
@@ -235,22 +254,22 @@ def check_against_inventory(tensors: Mapping[str, StoredTensor], expected: Seque
 def _weight_map(root: Path) -> dict[str, str]:
     index = root / INDEX
     if index.is_file():
-        data = read_json(index)
+        data = read_json(inside(root, INDEX, str(root)))
         wm = data.get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise CheckpointError(f"{index}: no weight_map")
-        resolved_root = root.resolve()
+        checked: set[str] = set()
         for name, f in wm.items():
-            if not isinstance(f, str):
-                raise CheckpointError(f"{index}: entry {name} is not a file name")
-            target = (root / f).resolve()
-            if target.parent != resolved_root and resolved_root not in target.parents:
-                raise CheckpointError(f"{index}: {name} points outside the checkpoint folder ({f})")
+            check_tensor_name(name, str(index))
+            if f in checked:
+                continue
+            target = inside(root, f, f"{index}: {str(name)[:80]}", "shard")
             if not target.is_file():
                 raise CheckpointError(f"{index}: {name} is in {f}, which is missing")
+            checked.add(f)
         return dict(wm)
     if (root / SINGLE).is_file():
-        return {name: SINGLE for name in read_header(root / SINGLE)}
+        return {name: SINGLE for name in read_header(inside(root, SINGLE, str(root)))}
     raise CheckpointError(f"{root}: neither {INDEX} nor {SINGLE}")
 
 
@@ -270,6 +289,8 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
             if n > min(size - 8, 100 * 2**20):
                 raise CheckpointError(f"{path}: corrupted safetensors header (length {n})")
             header = json.loads(f.read(n))
+    except RecursionError:
+        raise CheckpointError(f"{path}: corrupted safetensors header (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         if isinstance(e, OSError):
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
@@ -280,20 +301,48 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
     data_len = size - 8 - n
     out: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {}
     end = 0
+    ranges: list[tuple[int, int, str]] = []
     for name, info in header.items():
+        check_tensor_name(name, str(path))
         try:
             dtype = ST_TO_DTYPE[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            a, b = (int(x) for x in info["data_offsets"])
+            shape = tuple(_int(s) for s in info["shape"])
+            a, b = (_int(x) for x in info["data_offsets"])
+            if len(info["data_offsets"]) != 2 or len(shape) > 8 or any(d < 0 for d in shape):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupted safetensors header entry {name}") from None
-        if b - a != nbytes(shape, dtype) or a < 0:
+            raise CheckpointError(f"{path}: corrupted safetensors header entry {name[:120]}") from None
+        if a < 0 or b - a != nbytes(shape, dtype):
             raise CheckpointError(f"{path}: header of {name} disagrees with its shape and dtype")
         end = max(end, b)
         out[name] = (shape, dtype, 8 + n + a)
+        ranges.append((a, b, name))
     if end > data_len:
         raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
+    ranges.sort()
+    for (a1, b1, n1), (a2, b2, n2) in zip(ranges, ranges[1:]):
+        if a2 < b1:  # two tensors sharing bytes: writing one would change the other
+            raise CheckpointError(f"{path}: data_offsets of {n1} [{a1}, {b1}) and {n2} [{a2}, {b2}) overlap")
     return out
+
+
+def _int(x: Any) -> int:
+    if not isinstance(x, int) or isinstance(x, bool):
+        raise ValueError(x)
+    return x
+
+
+MAX_TENSOR_NAME = 1024
+
+
+def check_tensor_name(name: Any, where: str) -> None:
+    """A tensor name from a header or index: a string, printable, of sane length."""
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where}: tensor name {name!r} is not a string")
+    if len(name) > MAX_TENSOR_NAME:
+        raise CheckpointError(f"{where}: tensor name {name[:60]!r}… is longer than {MAX_TENSOR_NAME} characters")
+    if not name.isprintable():
+        raise CheckpointError(f"{where}: tensor name {name[:80]!r} holds control characters (NUL?)")
 
 
 # ---- writer -------------------------------------------------------------------------------
@@ -430,11 +479,17 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
-def write_extra_files(files: Mapping[str, bytes], dst: Path) -> None:
-    """Write the pass-through files (tokenizer, generation config, ...) into ``dst``."""
+def write_extra_files(files: Mapping[str, bytes | Path], dst: Path) -> None:
+    """Write the pass-through files (tokenizer, generation config, ...) into ``dst``; paths are
+    copied streaming (never read whole), bytes written as they are."""
     for name, data in files.items():
+        check_name(name, str(dst), "pass-through file")
         try:
-            (dst / name).write_bytes(data)
+            if isinstance(data, Path):
+                with open(data, "rb") as fin, open(dst / name, "wb") as fout:
+                    shutil.copyfileobj(fin, fout, 16 << 20)
+            else:
+                (dst / name).write_bytes(data)
         except OSError as e:
             raise OutputError(f"cannot write {name} into {dst}: {e.strerror}") from None
 

@@ -17,14 +17,19 @@ unit's chunks into its own file, finished by an atomic rename and recorded in a 
 so an interrupted conversion resumes unit by unit. File names depend on the unit, not on the
 rank, and ``.metadata`` is written in a canonical order, so a one-process and an N-process
 conversion write the same bytes. Blobs are saved without zip CRC32s (``torch.load`` never
-checks them; computing them cost more than the writing).
+checks them; computing them cost more than the writing); instead each data file gets a sidecar
+``__U_0.distcp.sha256`` ("offset length sha256" per blob) that the reader checks on every read,
+so a flipped bit is an error, not a silently different weight. Saves from elsewhere (no sidecar)
+are read unchecked.
 
 ``_extra_state`` objects (``ShardedObject``\\ s in Megatron) are stored as the bytes of
 ``torch.save([torch.empty(0, dtype=torch.uint8)])`` — what Transformer Engine writes with no FP8
 state (reference §2.6); Megatron's default load strictness fails without them.
 
-The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list (torch's DCP
-dataclasses; legacy ``megatron.*`` classes become inert stand-ins) and ``common.pt`` with
+The reader never imports Megatron: it unpickles ``.metadata`` through an allow-list of exact
+(module, name) pairs (torch's DCP dataclasses; legacy ``megatron.*`` classes become inert
+stand-ins; no dotted-name traversal), checks every entry's types, that data files resolve inside
+the folder and that each tensor's chunks tile it (inside, disjoint, covering) and ``common.pt`` with
 ``weights_only=True`` plus what Megatron-LM itself allows there (its argparse run arguments and
 enums, again as stand-ins); anything else is refused. It reads chunk blobs by offset, assembles
 any region from any chunking (Megatron's TP/EP saves split tensors), and can present stacked
@@ -33,6 +38,7 @@ any region from any chunking (Megatron's TP/EP saves split tensors), and can pre
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -64,8 +70,9 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, IntegrityError
 from ..model.inventory import nbytes
+from .paths import inside
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -73,6 +80,7 @@ METADATA_JSON = "metadata.json"
 COMMON = "common.pt"
 DCP_METADATA = ".metadata"
 UNITS_DIR = ".inkling-units"
+SUMS_SUFFIX = ".sha256"  # beside each data file: "offset length sha256" per blob, verified on read
 # mcore <= 0.18 does CheckpointingConfig(**json): exactly these keys (reference §6.2).
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
            "common_backend": "torch", "common_backend_version": 1}
@@ -84,6 +92,25 @@ def common_state(content_metadata: Mapping[str, Any] | None = None, **extra: Any
                              "content_metadata": dict(content_metadata or {"non_homogeneous_layers": True})}
     state.update(extra)
     return state
+
+
+#: ``common.pt`` holds what inkling-ckpt knows about the conversion under this key (Megatron
+#: ignores it); its ``config`` entry is the source ``config.json``, so the read-only commands
+#: (inspect, verify, memory) need no ``--config`` for a checkpoint the toolkit wrote.
+INKLING_KEY = "inkling"
+CONFIG_KEY = "config"
+
+
+def stored_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as plain JSON types (lists, dicts, str, numbers), loadable with ``weights_only=True``."""
+    return json.loads(json.dumps(dict(config)))
+
+
+def read_stored_config(common: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The source ``config.json`` kept in ``common.pt`` by ``hf-to-megatron``, if any."""
+    ours = common.get(INKLING_KEY)
+    config = ours.get(CONFIG_KEY) if isinstance(ours, Mapping) else None
+    return dict(config) if isinstance(config, Mapping) else None
 
 
 def empty_extra_state() -> bytes:
@@ -233,7 +260,7 @@ class _UnitWriter(FileSystemWriter):
         name = f"__{unit}_0.distcp"
         sidecar = root / UNITS_DIR / f"{unit}.json"
         done = _read_sidecar(sidecar, name, items)
-        if done is not None and (root / name).is_file():
+        if done is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
             self.units_resumed += 1
             self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO))  # type: ignore[union-attr]
             return done
@@ -242,19 +269,22 @@ class _UnitWriter(FileSystemWriter):
         # Objects first, then tensors, each a torch.save blob at a recorded offset.
         ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + \
                   [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
+        sums: list[str] = []
         with open(partial, "wb") as f, _no_crc32():
             for wi, data in _read_ahead(planner, ordered):
                 start = f.tell()
+                hw = _HashingWriter(f)
                 if isinstance(data, io.BytesIO):
-                    f.write(data.getbuffer())
+                    hw.write(data.getbuffer())
                 else:
                     try:
-                        torch.save(data, f)
+                        torch.save(data, hw)
                     except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
                         if isinstance(e.__context__, OSError):
                             raise e.__context__ from None
                         raise
                 length = f.tell() - start
+                sums.append(f"{start} {length} {hw.hexdigest()}\n")
                 results.append(WriteResult(index=wi.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, start, length)))
                 if not isinstance(data, io.BytesIO):
@@ -263,6 +293,9 @@ class _UnitWriter(FileSystemWriter):
             f.flush()
             os.fsync(f.fileno())
         os.replace(partial, root / name)
+        tmp_sums = root / (name + SUMS_SUFFIX + ".tmp")
+        tmp_sums.write_text("".join(sums))
+        os.replace(tmp_sums, root / (name + SUMS_SUFFIX))
         sidecar.parent.mkdir(exist_ok=True)
         tmp = sidecar.with_suffix(".tmp")
         tmp.write_text(json.dumps({"file": name, "items": [
@@ -270,6 +303,41 @@ class _UnitWriter(FileSystemWriter):
              r.storage_data.offset, r.storage_data.length] for r in results]}))
         os.replace(tmp, sidecar)
         return results
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (torch.save writes via ``write``)."""
+
+    def __init__(self, f: Any):
+        self._f = f
+        self._h = hashlib.sha256()
+
+    def write(self, b: Any) -> int:
+        self._h.update(b)
+        return self._f.write(b)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _read_sums(folder: Path) -> dict[tuple[str, int, int], str]:
+    """The per-blob sha256 sidecars our writer puts beside each data file (absent for others' saves)."""
+    sums: dict[tuple[str, int, int], str] = {}
+    for p in sorted(folder.glob("*" + SUMS_SUFFIX)):
+        name = p.name[: -len(SUMS_SUFFIX)]
+        try:
+            lines = p.read_text(encoding="ascii").splitlines()
+            for line in lines:
+                a, n, h = line.split(" ")
+                if len(h) != 64:
+                    raise ValueError(h)
+                sums[(name, int(a), int(n))] = h
+        except (OSError, ValueError, UnicodeDecodeError):
+            raise CheckpointError(f"{p}: damaged checksum file") from None
+    return sums
 
 
 def _read_ahead(planner: _LazyPlanner, items: list[WriteItem]) -> Iterator[tuple[WriteItem, Any]]:
@@ -390,33 +458,68 @@ class _Stand_in:
             self.__dict__.update(state)
 
 
-_SAFE_TORCH = {("torch", "Size"), ("torch._utils", "_rebuild_tensor_v2"), ("collections", "OrderedDict"),
-               ("torch", "device"), ("builtins", "set"), ("builtins", "frozenset"), ("copyreg", "_reconstructor"),
-               ("builtins", "object"), ("torch.serialization", "_get_layout")}
-_DTYPE_NAMES = {str(d).split(".")[-1] for d in (
-    torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-    torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
-    torch.complex64)}
+# Exact (module, qualified name) pairs a DCP ``.metadata`` may name; nothing else resolves.
+# Names are looked up in this table only, never imported or traversed (a dotted name such as
+# ``os.system`` inside an allowed module would otherwise resolve under pickle protocol >= 4).
+def _dcp_allowed() -> dict[tuple[str, str], Any]:
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint import filesystem as fs
+    import collections
+    import copyreg
+
+    table: dict[tuple[str, str], Any] = {
+        ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
+        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "object"): object,
+        ("copyreg", "_reconstructor"): copyreg._reconstructor,
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): fs._StorageInfo,
+    }
+    for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+                 "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"):
+        if hasattr(md, name):
+            table[("torch.distributed.checkpoint.metadata", name)] = getattr(md, name)
+    from torch.distributed.checkpoint import planner as pl
+
+    # Megatron-Core's saves keep their (inert dataclass/enum) save plans in .metadata.
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType"):
+        if hasattr(pl, name):
+            table[("torch.distributed.checkpoint.planner", name)] = getattr(pl, name)
+    for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+              torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
+              torch.complex64):
+        table[("torch", str(d).split(".")[-1])] = d
+    for name in ("strided", "contiguous_format", "preserve_format", "channels_last"):
+        table[("torch", name)] = getattr(torch, name)
+    return table
+
+
+_DCP_ALLOWED: dict[tuple[str, str], Any] | None = None
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` allowing only torch's checkpoint dataclasses and plain types."""
+    """Unpickles DCP ``.metadata`` allowing exact (module, name) pairs: torch's checkpoint
+    dataclasses and plain types; legacy ``megatron.*`` classes become inert stand-ins."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if module.startswith("torch.distributed.checkpoint."):
-            return super().find_class(module, name)
-        if (module, name) in _SAFE_TORCH:
-            return super().find_class(module, name)
-        if module == "torch" and (name in _DTYPE_NAMES or name in ("strided", "contiguous_format",
-                                                                   "preserve_format", "channels_last")):
-            return getattr(torch, name)
-        if module.startswith("megatron."):
+        global _DCP_ALLOWED
+        if _DCP_ALLOWED is None:
+            _DCP_ALLOWED = _dcp_allowed()
+        found = _DCP_ALLOWED.get((module, name))
+        if found is not None:
+            return found
+        # Megatron's own classes are never imported: a plain class name (no dots) under
+        # megatron.* becomes a stand-in that only keeps its state.
+        if module.startswith("megatron.") and _IDENT.fullmatch(name) \
+                and all(_IDENT.fullmatch(part) for part in module.split(".")):
             if name.endswith("Metadata"):
                 return Metadata
             if name.endswith("SavePlan"):
                 return SavePlan
             return _Stand_in
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+        raise pickle.UnpicklingError(f"refusing to unpickle {module[:80]}.{name[:80]}: not an allowed class")
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
@@ -425,11 +528,47 @@ def read_dcp_metadata(path: Path) -> Metadata:
             md = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: cannot read DCP metadata ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+    except Exception as e:  # untrusted bytes: any failure to unpickle is a damaged or hostile file
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: cannot read DCP metadata ({first})") from None
     if not isinstance(md, Metadata) or not isinstance(getattr(md, "state_dict_metadata", None), dict):
         raise CheckpointError(f"{path}: not a torch.distributed.checkpoint Metadata")
+    _check_metadata_types(md, path)
     return md
+
+
+def _ints(x: Any, n: int | None = None) -> bool:
+    try:
+        vals = tuple(x)
+    except TypeError:
+        return False
+    return (n is None or len(vals) == n) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                                                 for v in vals)
+
+
+def _check_metadata_types(md: Metadata, path: Path) -> None:
+    """Every entry of an unpickled ``.metadata`` has the types the reader relies on (one-line errors)."""
+    for key, v in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise CheckpointError(f"{path}: a key is {type(key).__name__}, not a string")
+        if isinstance(v, TensorStorageMetadata):
+            ok = (_ints(v.size) and len(tuple(v.size)) <= 8 and isinstance(getattr(v, "properties", None), TensorProperties)
+                  and isinstance(v.properties.dtype, torch.dtype) and isinstance(v.chunks, list)
+                  and all(isinstance(c, ChunkStorageMetadata) and _ints(c.offsets, len(v.size)) and _ints(c.sizes, len(v.size))
+                          for c in v.chunks))
+            if not ok:
+                raise CheckpointError(f"{path}: entry of {key[:120]} is damaged (size, dtype or chunks)")
+        elif not isinstance(v, BytesStorageMetadata):
+            raise CheckpointError(f"{path}: entry of {key[:120]} is a {type(v).__name__}, not tensor or bytes metadata")
+    sd = getattr(md, "storage_data", None)
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{path}: storage_data is missing")
+    for idx, info in sd.items():
+        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo) \
+                or not isinstance(info.relative_path, str) or not _ints((info.offset, info.length)):
+            raise CheckpointError(f"{path}: a storage_data entry is damaged")
 
 
 _STACKED = re.compile(r"decoder\.layers\.(?![0-9]+\.)")
@@ -515,8 +654,8 @@ def _safe_load(data: io.IOBase | Path, what: str) -> Any:
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise CheckpointError(f"{what}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    except Exception as e:  # untrusted bytes: any failure to load is a damaged file, in one line
+        raise CheckpointError(f"{what}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e).strip() else ''})") from None
 
 
 @dataclass(frozen=True)
@@ -535,10 +674,15 @@ def resolve_iteration_dir(path: Path) -> Path:
         raise CheckpointError(f"{path}: no such folder")
     tracker = path / TRACKER
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        try:
+            text = tracker.read_bytes()[:256].decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{tracker}: not text (expected 'release' or an iteration number)") from None
+        except OSError as e:
+            raise CheckpointError(f"{tracker}: cannot read ({e.strerror})") from None
         if text == RELEASE:
             return path / RELEASE
-        if text.isdigit():
+        if text.isascii() and text.isdigit() and len(text) <= 12:
             return path / f"iter_{int(text):07d}"
         raise CheckpointError(f"{tracker}: holds {text[:40]!r}, expected 'release' or an iteration number")
     if (path / DCP_METADATA).exists() or (path / METADATA_JSON).exists():
@@ -546,6 +690,43 @@ def resolve_iteration_dir(path: Path) -> Path:
     if (path / RELEASE).is_dir():
         return path / RELEASE
     raise CheckpointError(f"{path}: not a Megatron torch_dist checkpoint (no {TRACKER}, {METADATA_JSON} or .metadata)")
+
+
+def _check_tiling(folder: Path, st: "StoredKey") -> None:
+    """The stored chunks of a tensor lie inside it, do not overlap, and cover it exactly.
+
+    Volumes adding up is not enough: two overlapping chunks leave rows that no chunk holds,
+    which would be published as uninitialised memory. Sorted by offset along dim 0, a chunk
+    is compared only with those whose dim-0 range it meets (per-expert and TP grids: a few).
+    """
+    where = f"{folder / DCP_METADATA}"
+    total, got = 1, 0
+    for n in st.shape:
+        total *= n
+    boxes = []
+    for off, size in st.chunks:
+        if len(off) != len(st.shape) or len(size) != len(st.shape) \
+                or any(o < 0 or z <= 0 or o + z > g for o, z, g in zip(off, size, st.shape)):
+            raise CheckpointError(f"{where}: a chunk of {st.key} at {list(off)} size {list(size)} lies outside {list(st.shape)}")
+        v = 1
+        for z in size:
+            v *= z
+        got += v
+        boxes.append((tuple(off), tuple(size)))
+    if got != total:
+        raise CheckpointError(f"{where}: the chunks of {st.key} do not cover it exactly")
+    if not st.shape:
+        if len(boxes) > 1:
+            raise CheckpointError(f"{where}: scalar {st.key} is stored {len(boxes)} times")
+        return
+    boxes.sort()
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for off, size in boxes:
+        active = [b for b in active if b[0][0] + b[1][0] > off[0]]
+        for o2, z2 in active:
+            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2)):
+                raise CheckpointError(f"{where}: chunks of {st.key} at {list(o2)} and {list(off)} overlap")
+        active.append((off, size))
 
 
 class TorchDistCheckpoint:
@@ -566,6 +747,7 @@ class TorchDistCheckpoint:
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._views: dict[str, tuple[str, int]] = {}  # per-layer key -> (stacked key, layer)
         self._stacked: dict[str, StoredKey] = {}
+        self._sums: dict[tuple[str, int, int], str] = {}
 
     @classmethod
     def open(cls, path: str | Path) -> "TorchDistCheckpoint":
@@ -592,23 +774,13 @@ class TorchDistCheckpoint:
         if not isinstance(common, dict):
             raise CheckpointError(f"{folder / COMMON}: expected a dict, got {type(common).__name__}")
         ckpt.common = common
-        for st in ckpt.keys.values():  # stored chunks tile the tensor: inside it, volumes adding up
-            total, got = 1, 0
-            for n in st.shape:
-                total *= n
-            for off, size in st.chunks:
-                if len(off) != len(st.shape) or any(o < 0 or o + z > g for o, z, g in zip(off, size, st.shape)):
-                    raise CheckpointError(f"{folder}: .metadata: a chunk of {st.key} at {list(off)} lies outside {list(st.shape)}")
-                v = 1
-                for z in size:
-                    v *= z
-                got += v
-            if got != total:
-                raise CheckpointError(f"{folder}: .metadata: the chunks of {st.key} do not cover it exactly")
-        for rel in sorted({si.relative_path for si in metadata.storage_data.values()}):
-            p = folder / rel
-            if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.is_file():
-                raise CheckpointError(f"{folder}: .metadata names data file {rel}, which is missing or outside the folder")
+        for st in ckpt.keys.values():
+            _check_tiling(folder, st)
+        for rel in sorted({getattr(si, "relative_path", None) for si in metadata.storage_data.values()}, key=str):
+            p = inside(folder, rel, f"{folder / DCP_METADATA}", "data file")
+            if not p.is_file():
+                raise CheckpointError(f"{folder}: .metadata names data file {rel}, which is missing")
+        ckpt._sums = _read_sums(folder)
         return ckpt
 
     def _blob(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
@@ -625,7 +797,33 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if len(data) != info.length:
             raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+        self._verify(path, info, key, hashlib.sha256(data).hexdigest())
         return data
+
+    def _verify(self, path: Path, info: Any, key: str, digest: str | None = None) -> None:
+        """Check a blob against the writer's sha256 sidecar (when the checkpoint has one)."""
+        if not self._sums:
+            return
+        want = self._sums.get((info.relative_path, info.offset, info.length))
+        if want is None:
+            raise IntegrityError(f"{path}{SUMS_SUFFIX}: no checksum for the blob of {key} at byte {info.offset}")
+        if digest is None:
+            h = hashlib.sha256()
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                pos, end = info.offset, info.offset + info.length
+                while pos < end:
+                    piece = os.pread(fd, min(16 << 20, end - pos), pos)
+                    if not piece:
+                        raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                    h.update(piece)
+                    pos += len(piece)
+            finally:
+                os.close(fd)
+            digest = h.hexdigest()
+        if digest != want:
+            raise IntegrityError(f"{path}: the stored chunk of {key} at byte {info.offset} fails its sha256 "
+                                 f"check; the file is corrupted")
 
     def read_object(self, key: str) -> Any:
         """A ``ShardedObject`` payload (a list of the saving ranks' objects), weights-only."""
@@ -643,6 +841,7 @@ class TorchDistCheckpoint:
             with open(path, "rb", buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                self._verify(path, info, key)
                 t = _safe_load(_Slice(f, info.offset, info.length), what)  # type: ignore[arg-type]
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
@@ -743,5 +942,5 @@ class TorchDistCheckpoint:
 __all__ = [
     "TorchDistCheckpoint", "ChunkItem", "ObjectItem", "write_dcp", "finish_iteration_dir", "write_tracker",
     "common_state", "empty_extra_state", "resolve_iteration_dir", "read_dcp_metadata", "BACKEND",
-    "TRACKER", "RELEASE", "METADATA_JSON", "COMMON",
+    "TRACKER", "RELEASE", "METADATA_JSON", "COMMON", "INKLING_KEY", "CONFIG_KEY", "stored_config", "read_stored_config",
 ]

@@ -51,6 +51,7 @@ from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
+from .paths import check_file_inside, check_name, inside
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 MANIFEST = "inkling-shard.json"
@@ -207,9 +208,13 @@ def plan_checkpoint(ckpt: HFCheckpoint, tp: int, ep: int) -> ShardPlan:
 def _source_files(ckpt: HFCheckpoint) -> tuple[list[str], list[str]]:
     """(safetensors shards in use, other top-level files to keep verbatim)."""
     shards = sorted({t.file for t in ckpt.tensors.values()})
-    small = sorted(p.name for p in ckpt.root.iterdir()
-                   if p.is_file() and not p.name.startswith(".") and p.name not in shards
-                   and not p.name.endswith(".safetensors"))
+    small = []
+    for p in sorted(ckpt.root.iterdir()):
+        if p.name.startswith(".") or p.name in shards or p.name.endswith(".safetensors"):
+            continue
+        check_file_inside(ckpt.root, p, str(ckpt.root))
+        if p.is_file():
+            small.append(p.name)
     return shards, small
 
 
@@ -442,8 +447,10 @@ class ShardedCheckpoint:
             raise CheckpointError(f"{root}: no {MANIFEST}; not a sharded checkpoint")
         try:
             manifest = json.loads(man_path.read_text())
+        except RecursionError:
+            raise CheckpointError(f"{man_path}: cannot read (nested too deeply)") from None
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{man_path}: cannot read ({e})") from None
+            raise CheckpointError(f"{man_path}: cannot read ({str(e)[:160]})") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise CheckpointError(f"{man_path}: not an {FORMAT} v{VERSION} manifest")
         _check_manifest(manifest, man_path)
@@ -454,12 +461,14 @@ class ShardedCheckpoint:
 
     def _index_ranks(self) -> None:
         for r in self.manifest["ranks"]:
-            d = self.root / r["dir"]
-            weight_map = read_json(d / INDEX).get("weight_map", {})
+            d = inside(self.root, r["dir"], str(self.root / MANIFEST), "rank folder")
+            weight_map = read_json(inside(d, INDEX, str(d))).get("weight_map", {})
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{d / INDEX}: weight_map is not an object")
             headers: dict[str, RawHeader] = {}
             for name, f in weight_map.items():
                 if f not in headers:
-                    headers[f] = raw_header(d / f)
+                    headers[f] = raw_header(inside(d, f, f"{d / INDEX}: {str(name)[:80]}", "shard"))
                 entry = headers[f].entries.get(name)
                 if entry is None:
                     raise CheckpointError(f"{d / f}: index lists {name} but the file does not hold it")
@@ -559,11 +568,12 @@ class ShardedCheckpoint:
         """The tensors of the source checkpoint, as :meth:`HFCheckpoint.expected` gives them."""
         return inventory(self.cfg, self.plan, dtypes=self.dtypes(), vision=self.vision_specs())
 
-    def extra_files(self) -> dict[str, bytes]:
+    def extra_files(self) -> dict[str, Path]:
         """The source's pass-through files (tokenizer, generation config, ...), as HFCheckpoint gives them."""
         own = {"config.json", INDEX, QUANT_CONFIG}
-        return {name: (self.root / SOURCE_DIR / name).read_bytes() for name, info in sorted(self.manifest["source"].items())
-                if "header" not in info and name not in own}
+        src = self.root / SOURCE_DIR
+        return {name: inside(src, name, str(self.root / MANIFEST), "source file")
+                for name, info in sorted(self.manifest["source"].items()) if "header" not in info and name not in own}
 
     def describe(self) -> dict[str, Any]:
         """What identifies this source for resume fingerprints."""
@@ -577,30 +587,55 @@ class ShardedCheckpoint:
         self._fds.clear()
 
 
+def _is_int(x: Any, lo: int = 0) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= lo
+
+
+def _is_sha(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
 def _check_manifest(man: dict[str, Any], where: Path) -> None:
-    """The manifest's structure, so a damaged one fails with a line naming what is wrong."""
+    """The manifest's structure and types, so a damaged one fails with a line naming what is wrong.
+
+    Every name in it becomes a path: rank folders, listed files and header copies must resolve
+    inside the sharded folder, and source names (a merge's output files) must be plain names.
+    """
+    root = where.parent
     for key, kind in (("plan", dict), ("ranks", list), ("tensors", dict), ("source", dict), ("files", dict)):
         if not isinstance(man.get(key), kind):
             raise CheckpointError(f"{where}: damaged manifest: '{key}' is missing or not a {kind.__name__}")
     tp = man["plan"].get("tp")
-    if not isinstance(tp, int) or len(man["ranks"]) != tp:
+    if not _is_int(tp, 1) or len(man["ranks"]) != tp:
         raise CheckpointError(f"{where}: damaged manifest: {len(man['ranks'])} ranks listed for tp {tp!r}")
+    for i, r in enumerate(man["ranks"]):
+        if not isinstance(r, dict) or r.get("rank") != i or not _is_int(r.get("rank")):
+            raise CheckpointError(f"{where}: damaged manifest: rank entry {i} is not {{'rank': {i}, 'dir': ...}}")
+        inside(root, r.get("dir"), f"{where}: rank {i}", "rank folder")
     for name, t in man["tensors"].items():
         try:
             holders, pieces, dim, shape = t["holders"], t["pieces"], t["dim"], t["shape"]
-            ok = (len(holders) == tp and {h for h in holders if h is not None} == set(range(pieces))
-                  and t["dtype"] in ST_TO_DTYPE
+            ok = (isinstance(shape, list) and all(_is_int(d) for d in shape) and _is_int(pieces, 1)
+                  and isinstance(holders, list) and all(h is None or _is_int(h) for h in holders)
+                  and (dim is None or _is_int(dim))
+                  and len(holders) == tp and {h for h in holders if h is not None} == set(range(pieces))
+                  and isinstance(t["dtype"], str) and t["dtype"] in ST_TO_DTYPE
                   and (pieces == 1 if dim is None else 0 <= dim < len(shape) and shape[dim] % pieces == 0))
         except (KeyError, TypeError):
             ok = False
         if not ok:
-            raise CheckpointError(f"{where}: damaged manifest: entry of {name} is inconsistent")
+            raise CheckpointError(f"{where}: damaged manifest: entry of {str(name)[:120]} is inconsistent")
     for name, info in man["source"].items():
-        if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info:
+        check_name(name, f"{where}: source", "source file")
+        if "/" in name:
+            raise CheckpointError(f"{where}: damaged manifest: source file {name!r} is not a top-level name")
+        if not isinstance(info, dict) or not _is_sha(info.get("sha256")) or not _is_int(info.get("bytes")):
             raise CheckpointError(f"{where}: damaged manifest: source entry {name}")
+        if "header" in info:
+            inside(root, info["header"], f"{where}: source {name}", "header copy")
     for rel, info in man["files"].items():
-        if not isinstance(info, dict) or "sha256" not in info or "bytes" not in info or ".." in Path(rel).parts \
-                or Path(rel).is_absolute():
+        inside(root, rel, f"{where}: files", "file")
+        if not isinstance(info, dict) or not _is_sha(info.get("sha256")) or not _is_int(info.get("bytes")):
             raise CheckpointError(f"{where}: damaged manifest: file entry {rel}")
 
 
@@ -667,7 +702,7 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
     job = {"command": "merge", "manifest_sha256": sha256_file(root / MANIFEST)}
     result = MergeResult(Path(out), files=len(sources))
     try:
-        with Staging(out, job, force=force) as st:
+        with Staging(out, job, force=force, inputs=[root]) as st:
             if st.done:
                 result.skipped = True
                 return result
@@ -695,10 +730,16 @@ def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st:
                 advance: Callable[[int], None]) -> None:
     header_path = sharded.root / info["header"]
     blob = header_path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    entries = json.loads(blob[8:8 + n])
-    entries.pop("__metadata__", None)
-    order = sorted(entries, key=lambda k: entries[k]["data_offsets"][0])
+    try:
+        (n,) = struct.unpack("<Q", blob[:8])
+        entries = json.loads(blob[8:8 + n])
+        entries.pop("__metadata__", None)
+        order = sorted(entries, key=lambda k: int(entries[k]["data_offsets"][0]))
+        for k in order:
+            a, b = entries[k]["data_offsets"]
+            int(a), int(b)
+    except (struct.error, ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError):
+        raise CheckpointError(f"{header_path}: not a safetensors header copy") from None
     h = hashlib.sha256(blob)
     path = st.partial(name)
     pool = ThreadPoolExecutor(max_workers=1)  # hash tensor i while it is written (one in flight)

@@ -1,171 +1,107 @@
-"""A whole layer's routed experts through the fused GPU kernels in a handful of launches.
+"""A layer's stacked routed experts (or an EP slice) through the fused GPU kernels in a few launches.
 
-The per-expert path (``ExpertEncoder`` through the codec) is the reference and the fallback;
-this path takes the stacked Megatron tensors as they are — fc1 ``[E, 2I, H]`` viewed as groups
-(expert e's gate rows, then its up rows) and fc2 ``[E, H, I]`` — and gives the same bytes
-(tests/test_sync.py checks it against the per-expert path). One host synchronization per
-layer (the non-finite flags); anything unusual returns None and the caller falls back to the
-per-expert path, which raises the precise error.
+The reference is :class:`~inkling_ckpt.convert.experts.ExpertEncoder` (``encode_stacked`` plus
+``reuse_unchanged_blocks``) on the interleaved slice; this path takes the trainer's slice as it
+is (fc1 rows [gate; up] per expert), one kernel group per expert (gate and up share the expert's NVFP4 amax because they are one group), and
+gives the same bytes (tests/test_sync.py checks it against the reference path). ``keep`` compares
+with the reference's blocks through the reference's own ``reuse_unchanged_blocks`` on the device
+(its NVFP4 decode order is the release's, which the decode kernel's is not). Anything the
+reference would reject or treat specially (non-finite input, a kept amax that is not finite and
+positive) returns None and the caller takes the reference path, which raises the precise error.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..convert.experts import expert_module
+from ..convert.experts import reuse_unchanged_blocks
 from ..formats import gpu
 from ..formats._base import FLOAT_INPUTS
-from ..model.inventory import EXPERT_PROJS
+from ..formats.nvfp4 import MIN_GLOBAL_AMAX
+from ..formats.stacked import AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT
+from ..model.inventory import ExpertStack
+from ..model.mapping import Entry
 
 
-def batched_ok(fc1: torch.Tensor, fc2: torch.Tensor) -> bool:
-    return (fc1.dtype in FLOAT_INPUTS and fc2.dtype == fc1.dtype and fc1.device == fc2.device
-            and gpu.wants(fc1) and fc1.numel() > 0)
+def batched_ok(x: torch.Tensor) -> bool:
+    return x.dtype in FLOAT_INPUTS and x.dim() == 3 and x.numel() > 0 and gpu.wants(x)
 
 
-def _ref_scalar(ref, name: str) -> float:
-    return float(ref.get(name).reshape(()).to(torch.float32))
+def _kept(sync, stack: ExpertStack) -> bool:
+    ref = sync.reference
+    return sync.scales == "keep" and ref is not None and ref.plan.format_of(stack.layer) == stack.fmt
 
 
-def _nvfp4_scales(sync, layer: int, first: int, n: int, device) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(kept weight_scale_2 [n, 3] or None for fresh, input_scale [n, 3]) on ``device``, cached."""
-    key = (layer, first, n, str(device), sync.scales)
-    hit = sync._batched_cache.get(key)
-    if hit is not None:
-        return hit
-    enc = sync.encoder
-    ref = enc.reference
-    ref_has = ref is not None and ref.plan.format_of(layer) == "nvfp4"
-    mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
-    if ref_has:
-        isc = torch.tensor([[_ref_scalar(ref, f"{m}.input_scale") for m in row] for row in mods], dtype=torch.float32)
-    else:
-        isc = torch.ones((n, 3), dtype=torch.float32)
-        enc.used_default_input_scale = True
-    ws2 = None
-    if sync.scales == "keep":
-        ws2 = torch.tensor([[_ref_scalar(ref, f"{m}.weight_scale_2") for m in row] for row in mods], dtype=torch.float32)
-        if not bool(((ws2 > 0) & torch.isfinite(ws2)).all()):
-            return None, isc  # let the codec name the bad scale
-        ws2 = ws2.to(device)
-    out = (ws2, isc.to(device))
-    sync._batched_cache[key] = out
-    return out
+def _ref_rows(sync, stack: ExpertStack, part: str, first: int, last: int, device) -> torch.Tensor:
+    return sync.reference.read_rows(stack.name + part, first, last).to(device)
 
 
-def _int_bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+def _ref_blocks(sync, entry: Entry, stack: ExpertStack, first: int, last: int, device) -> dict[str, torch.Tensor]:
+    """The reference's weight and block scales of the slice, rows in Megatron order."""
+    return {p: _rows(entry.rule.to_megatron, _ref_rows(sync, stack, p, first, last, device)) for p in (WEIGHT, SCALE)}
 
 
-def _reuse_unchanged(sync, layer: int, fmt: str, mods, xs, encoded, scales_2):
-    """``keep``: blocks whose values equal the reference's decoded block take the reference's bytes
-    (what ``ExpertEncoder`` does through ``reuse_unchanged_blocks``), on the device, per layer.
+def encode_stack(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
+    """The release parts of experts ``first:first+n`` of ``stack`` from ``x`` [n, R, C] in Megatron form, or None.
 
-    xs: [x1 (2n groups), x2 (n groups)]; encoded: [(w, sc), (w, sc)] in [G, ...] form;
-    scales_2: the kept NVFP4 global scales per group (None for MXFP8).
+    The mapping rule's row transform (fc1's [gate; up] -> interleaved rows) commutes with
+    encoding, which is row by row under one global factor per expert, so it is applied to the
+    encoded rows and block scales (a quarter to a half of the BF16 bytes), and inverted on the
+    reference's rows for ``keep``.
     """
-    ops = gpu._load()
-    ref = sync.encoder.reference
-    dev = xs[0].device
-    n = len(mods)
-    out = []
-    for k, (x, (w, sc)) in enumerate(zip(xs, encoded)):
-        projs = (0, 1) if k == 0 else (2,)
-        names = [mods[j][p] for j in range(n) for p in projs]
-        rw = torch.stack([ref.get(f"{m}.weight") for m in names]).to(dev).view(len(names), -1)
-        rsc = torch.stack([ref.get(f"{m}.weight_scale") for m in names]).to(dev).view(len(names), -1)
-        if fmt == "nvfp4":
-            dec = ops.nvfp4_decode(rw, rsc, scales_2[k], x.dtype)
-            block = 16
-        else:
-            dec = ops.mxfp8_decode(rw, rsc, "e4m3", x.dtype)
-            block = 32
-        g = x.shape[0]
-        same = (_int_bits(dec).view(g, -1, block) == _int_bits(x).view(g, -1, block)).all(-1)
-        per = w.shape[1] // same.shape[1]
-        w = torch.where(same[..., None], _int_bits(rw).view(g, -1, per), _int_bits(w).view(g, -1, per)).view(w.dtype).view(g, -1)
-        sc = torch.where(same, _int_bits(rsc).view(g, -1), _int_bits(sc).view(g, -1)).view(sc.dtype)
-        out.append((w, sc))
+    parts = _encode_rows(sync, entry, stack, first, x)
+    if parts is None:
+        return None
+    out = dict(parts)
+    out[WEIGHT] = _rows(entry.rule.to_hf, parts[WEIGHT])
+    out[SCALE] = _rows(entry.rule.to_hf, parts[SCALE])
     return out
 
 
-def _reusing(sync, layer: int, fmt: str) -> bool:
-    ref = sync.encoder.reference
-    return sync.scales == "keep" and ref is not None and ref.plan.format_of(layer) == fmt
+def _rows(transform, t: torch.Tensor) -> torch.Tensor:
+    """A row transform (dims 0 and 1) applied with each row viewed as the widest integers that
+    tile it: one-byte elements would make torch's strided copies several times slower."""
+    nbytes = t.shape[-1] * t.element_size()
+    for dt in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        if nbytes % dt.itemsize == 0 and t.is_contiguous():
+            return transform(t.view(torch.uint8).view(dt)).view(torch.uint8).view(t.dtype)
+    return transform(t)
 
 
-def _names(sync, layer: int, first: int, n: int, fmt: str) -> list[list[str]]:
-    """Served names of each expert's parts, in checkpoint order (cached: the same every sync)."""
-    key = ("names", layer, first, n, fmt)
-    hit = sync._batched_cache.get(key)
-    if hit is None:
-        parts = ("weight", "weight_scale", "weight_scale_2", "input_scale") if fmt == "nvfp4" else ("weight", "weight_scale")
-        hit = [[f"{expert_module(layer, first + j, p)}.{part}" for p in EXPERT_PROJS for part in parts] for j in range(n)]
-        sync._batched_cache[key] = hit
-    return hit
-
-
-def encode_layer(sync, layer: int, fc1: torch.Tensor, fc2: torch.Tensor, first: int):
-    """``(names, per-expert tensor lists)`` for ``fc1``/``fc2`` holding experts ``first..``, or None.
-
-    Each expert's list is in the served order (gate, up, down; each part in checkpoint order);
-    the tensors are views into a few per-layer output buffers."""
+def _encode_rows(sync, entry: Entry, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor] | None:
     ops = gpu._load()
-    fmt = sync.plan.format_of(layer)
-    n, two_i, h = fc1.shape
-    i = two_i // 2
-    x1 = fc1.contiguous().view(2 * n, i * h)  # groups: expert j gate (2j), up (2j + 1)
-    x2 = fc2.contiguous().view(n, h * i)
-    allow = sync.allow_nonfinite
-    names = _names(sync, layer, first, n, fmt)
-    mods = None
-    if fmt == "nvfp4":
-        ws2, isc = _nvfp4_scales(sync, layer, first, n, fc1.device)
-        if sync.scales == "keep":
-            if ws2 is None:
-                return None
-            s1 = ws2[:, :2].reshape(-1).contiguous()
-            s2 = ws2[:, 2].contiguous()
+    n, r, c = x.shape
+    g = x.contiguous().view(n, r * c)
+    keep = _kept(sync, stack)
+    if stack.fmt == "nvfp4":
+        if keep:
+            amax = kept = _ref_rows(sync, stack, AMAX, first, first + n, x.device)
             flags = []
+            if not bool((torch.isfinite(amax) & (amax > 0)).all()):
+                return None
         else:
-            a1, b1 = ops.group_amax(x1)
-            a2, b2 = ops.group_amax(x2)
-            s1 = ops.nvfp4_global_scales(a1.view(n, 2).amax(1)).repeat_interleave(2)  # gate/up share
-            s2 = ops.nvfp4_global_scales(a2)
-            flags = [b1, b2]
-        w1, sc1, f1 = ops.nvfp4_encode(x1, s1)
-        w2, sc2, f2 = ops.nvfp4_encode(x2, s2)
-        bad = torch.stack([f.amax() for f in flags + [f1, f2]]).amax()  # checked last: views are built meanwhile
-        if _reusing(sync, layer, fmt):
-            mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
-            (w1, sc1), (w2, sc2) = _reuse_unchanged(sync, layer, fmt, mods, [x1, x2], [(w1, sc1), (w2, sc2)], [s1, s2])
-        w1u = w1.view(2 * n, i, h // 2).unbind(0)
-        sc1u = sc1.view(2 * n, i, h // 16).unbind(0)
-        s1u = s1.unbind(0)
-        w2u = w2.view(n, h, i // 2).unbind(0)
-        sc2u = sc2.view(n, h, i // 16).unbind(0)
-        s2u = s2.unbind(0)
-        iu = isc.reshape(-1).unbind(0)
-        out = [[w1u[2 * j], sc1u[2 * j], s1u[2 * j], iu[3 * j],
-                w1u[2 * j + 1], sc1u[2 * j + 1], s1u[2 * j + 1], iu[3 * j + 1],
-                w2u[j], sc2u[j], s2u[j], iu[3 * j + 2]] for j in range(n)]
-        if not allow and bool(bad > 0):  # the one host synchronization of the layer
+            amax, bad_amax = ops.group_amax(g)
+            flags = [bad_amax.amax()]
+        # the reference's zero-expert policy: an amax below 2^-126 is encoded (and stored) as 1.0
+        amax = torch.where(amax < MIN_GLOBAL_AMAX, torch.ones_like(amax), amax)
+        s2 = ops.nvfp4_global_scales(amax)
+        w, sc, bad = ops.nvfp4_encode(g, s2)
+        if bool(torch.stack(flags + [bad.amax()]).amax() > 0):  # the one host synchronization
             return None
-        return names, out
-    if fmt == "mxfp8":
-        q1, sc1, f1 = ops.mxfp8_encode(x1.view(1, -1))
-        q2, sc2, f2 = ops.mxfp8_encode(x2.view(1, -1))
-        bad = torch.maximum(f1, f2)[0]
-        if _reusing(sync, layer, fmt):
-            mods = [[expert_module(layer, first + j, p) for p in EXPERT_PROJS] for j in range(n)]
-            (q1, sc1), (q2, sc2) = _reuse_unchanged(sync, layer, fmt, mods, [x1, x2],
-                                                    [(q1.view(2 * n, -1), sc1.view(2 * n, -1)), (q2.view(n, -1), sc2.view(n, -1))], None)
-        q1u = q1.view(2 * n, i, h).unbind(0)
-        sc1u = sc1.view(2 * n, i, h // 32).unbind(0)
-        q2u = q2.view(n, h, i).unbind(0)
-        sc2u = sc2.view(n, h, i // 32).unbind(0)
-        out = [[q1u[2 * j], sc1u[2 * j], q1u[2 * j + 1], sc1u[2 * j + 1], q2u[j], sc2u[j]] for j in range(n)]
-        if not allow and bool(bad > 0):  # the one host synchronization of the layer
+        parts = {WEIGHT: w.view(n, r, c // 2), SCALE: sc.view(n, r, c // 16), AMAX: amax.contiguous(),
+                 DENOM: torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=x.device)}
+        if keep:
+            ref = {**_ref_blocks(sync, entry, stack, first, first + n, x.device),
+                   AMAX: kept, DENOM: sync.reference.get(stack.name + DENOM).to(x.device)}
+            parts = reuse_unchanged_blocks("nvfp4", x, parts, ref)
+        return parts
+    if stack.fmt == "mxfp8":
+        q, sc, bad = ops.mxfp8_encode(g)
+        if bool(bad.amax() > 0):
             return None
-        return names, out
+        parts = {WEIGHT: q.view(n, r, c), SCALE: sc.view(n, r, c // 32)}
+        if keep:
+            ref = _ref_blocks(sync, entry, stack, first, first + n, x.device)
+            parts = reuse_unchanged_blocks("mxfp8", x, parts, ref)
+        return parts
     return None

@@ -1,10 +1,13 @@
 """Compare two checkpoints of one model tensor by tensor, after decoding.
 
 ``A`` is the reference, ``B`` the candidate; either may be an HF checkpoint (BF16, mixed,
-MXFP8, NVFP4) or a sharded folder (``inkling-ckpt shard``). Routed experts are compared per
-stacked tensor (a layer's ``…mlp.experts.w13_weight`` / ``w2_weight``), each side decoded from
-its stored format to float32 a few experts at a time; every other tensor is compared as stored
-(BF16/F32, widened to float32).
+MXFP8, NVFP4), a sharded folder (``inkling-ckpt shard``) or a Megatron torch_dist folder (read
+back as release tensors through the key mapping, experts BF16: ``layouts.detect``). Routed
+experts are compared per stacked tensor (a layer's ``…mlp.experts.w13_weight`` / ``w2_weight``),
+each side decoded from its stored format to float32 a few experts at a time; every other tensor
+is compared as stored (BF16/F32, widened to float32). A torch_dist folder holds no vision tower:
+vision tensors only one side holds are listed under ``not_compared``, never silently dropped;
+any other tensor missing on one side is an error.
 
 Per compared tensor, with ``a``, ``b`` the float32 values and ``e = b − a``:
 
@@ -23,7 +26,8 @@ Report (``--json``), schema ``inkling-ckpt/verify-report/v1``::
      "formats": {FORMAT: STATS},            # FORMAT: "nvfp4", "mxfp8", "bf16", "dense", or "x->y"
      "layers":  [{"layer", "format", **STATS}],       # routed experts per decoder layer
      "tensors": [{"name", "format", "layer", **STATS}],  # worst first
-     "thresholds": {"min_sqnr_db", "exact", "passed", "failures", "first_failures"}}
+     "thresholds": {"min_sqnr_db", "exact", "passed", "failures", "first_failures"},
+     "not_compared": {"only_a": [NAME, ...], "only_b": [NAME, ...]}}   # vision tensors one side lacks
     STATS = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs",
              "rel_rmse", "sqnr_db"}                   # per tensor: "tensors" == 1
 
@@ -42,11 +46,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
 from ..formats.stacked import decode_stacked
-from ..model.inventory import ExpertStack, expert_stacks
+from ..layouts.detect import HF, TORCH_DIST, detect_layout
+from ..layouts.detect import open_checkpoint as _open
+from ..model.inventory import ExpertStack, expert_stacks, is_vision
 from ..progress import ByteProgress
 
 SCHEMA = "inkling-ckpt/verify-report/v1"
@@ -152,6 +158,8 @@ class Comparison:
     a: dict[str, Any]
     b: dict[str, Any]
     items: list[Item] = field(default_factory=list)
+    only_a: list[str] = field(default_factory=list)  # vision tensors B does not hold
+    only_b: list[str] = field(default_factory=list)
 
 
 def _label(fa: str, fb: str) -> str:
@@ -170,7 +178,7 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _describe(src: Any, path: str | Path) -> dict[str, Any]:
-    return {"path": str(path), "variant": src.plan.variant, "plan": str(src.plan)}
+    return {"path": str(path), "layout": src.layout, "variant": src.plan.variant, "plan": str(src.plan)}
 
 
 #: A pair's loader yields (A, B) chunks as float32; B is None where the stored bytes are identical.
@@ -204,11 +212,9 @@ def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Load
     at a time; everything else as stored, widened to float32.
     """
     cfg = a.cfg
-    names_b = set(b.tensors)
+    only_a, only_b = unpaired(a, b)
     for spec in a.expected():
-        if spec.part is None:
-            if spec.name not in names_b:
-                raise CheckpointError(f"{spec.name} is in A but not in B")
+        if spec.part is None and spec.name not in only_a:
             yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: _dense(a, b, n))
     for layer in range(cfg.num_hidden_layers):
         for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer)):
@@ -216,39 +222,91 @@ def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Load
             yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, lambda sa=sa, sb=sb: _experts(a, b, sa, sb))
 
 
-def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True) -> Comparison:
-    """Decode and compare every tensor of two checkpoints of the same model."""
-    a, b = open_checkpoint(path_a), open_checkpoint(path_b)
-    if a.cfg != b.cfg:
-        diff = [k for k in a.cfg.__dataclass_fields__ if getattr(a.cfg, k) != getattr(b.cfg, k)]
-        raise CheckpointError(f"{path_a} and {path_b} are not the same model: their configs differ in {', '.join(diff)}")
-    out = Comparison(_describe(a, path_a), _describe(b, path_b))
-    pairs = list(iter_pairs(a, b))
-    with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
-        for name, fmt, layer, nbytes, load in pairs:
-            stats = Stats()
-            for ta, tb in load():
-                if tb is None:  # stored bytes identical: no need to decode B
-                    stats.add(exact_stats(ta))
-                elif tuple(ta.shape) != tuple(tb.shape):
-                    raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
-                else:
-                    stats.add(tensor_stats(ta, tb))
-            # one tensor however many slices it was compared in
-            stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
-            stats.tensors = 1
-            out.items.append(Item(name, fmt, layer, stats))
-            bar.advance(nbytes)
-    for src in (a, b):
-        src.close()
+def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
+    """Non-expert tensors only A holds, only B holds: vision tensors may be (a torch_dist side has none).
+
+    Raises CheckpointError for any other tensor one side lacks.
+    """
+    names_a = {s.name for s in a.expected() if s.part is None}
+    names_b = {s.name for s in b.expected() if s.part is None}
+    for side, extra in (("A", names_a - names_b), ("B", names_b - names_a)):
+        text = sorted(n for n in extra if not is_vision(n))
+        if text:
+            more = f" (and {len(text) - 1} more)" if len(text) > 1 else ""
+            raise CheckpointError(f"{text[0]}{more} is in {side} but not in {'B' if side == 'A' else 'A'}")
+    return sorted(names_a - names_b), sorted(names_b - names_a)
+
+
+def open_pair(path_a: str | Path, path_b: str | Path, *, config: Any = None) -> tuple[Any, Any]:
+    """Open both sides; a torch_dist side that keeps no config takes ``config``, else the other side's."""
+    kinds = [detect_layout(path_a), detect_layout(path_b)]
+    if config is not None and TORCH_DIST not in kinds:
+        raise ConfigError("--config is for a torch_dist side; neither checkpoint is one (each carries its config.json)")
+    from ..layouts.torch_dist_release import MissingConfigError
+
+    opened: list[Any] = [None, None]
+    # Sides that carry a config first; a torch_dist side that keeps none waits for the other
+    # side (whatever its layout) and borrows its config.
+    order = sorted((0, 1), key=lambda i: kinds[i] == TORCH_DIST)
+    deferred: set[int] = set()
+    try:
+        while order:
+            i = order.pop(0)
+            other = opened[1 - i]
+            try:
+                opened[i] = _open((path_a, path_b)[i], config=config if kinds[i] == TORCH_DIST else None,
+                                  layout=kinds[i], default_config=other.config if other is not None else None,
+                                  verify_checksums=True)
+            except MissingConfigError:
+                if other is not None or i in deferred or not order:
+                    raise  # nothing left to borrow from
+                deferred.add(i)
+                order.append(i)  # after the other side
+    except BaseException:
+        for src in opened:
+            if src is not None:
+                src.close()
+        raise
+    return opened[0], opened[1]
+
+
+def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, config: Any = None) -> Comparison:
+    """Decode and compare every tensor of two checkpoints of the same model (any layouts, see ``layouts.detect``).
+
+    ``config``: the model config of a torch_dist side that keeps none (default: the other side's).
+    """
+    a, b = open_pair(path_a, path_b, config=config)
+    try:
+        if a.cfg != b.cfg:
+            diff = [k for k in a.cfg.__dataclass_fields__ if getattr(a.cfg, k) != getattr(b.cfg, k)]
+            raise CheckpointError(f"{path_a} and {path_b} are not the same model: their configs differ in {', '.join(diff)}")
+        out = Comparison(_describe(a, path_a), _describe(b, path_b))
+        out.only_a, out.only_b = unpaired(a, b)
+        pairs = list(iter_pairs(a, b))
+        with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
+            for name, fmt, layer, nbytes, load in pairs:
+                stats = Stats()
+                for ta, tb in load():
+                    if tb is None:  # stored bytes identical: no need to decode B
+                        stats.add(exact_stats(ta))
+                    elif tuple(ta.shape) != tuple(tb.shape):
+                        raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
+                    else:
+                        stats.add(tensor_stats(ta, tb))
+                # one tensor however many slices it was compared in
+                stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
+                stats.tensors = 1
+                out.items.append(Item(name, fmt, layer, stats))
+                bar.advance(nbytes)
+    finally:
+        for src in (a, b):
+            src.close()
     return out
 
 
-def open_checkpoint(path: str | Path) -> Any:
-    """An HF checkpoint folder, or a sharded one (``inkling-ckpt shard``: read back through its ranks)."""
-    from ..layouts.sharded import open_any
-
-    return open_any(path)
+def open_checkpoint(path: str | Path, *, config: Any = None) -> Any:
+    """Any checkpoint layout the toolkit writes (:func:`inkling_ckpt.layouts.detect.open_checkpoint`)."""
+    return _open(path, config=config)
 
 
 def _worst_key(item: Item) -> tuple[float, float]:
@@ -285,6 +343,7 @@ def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool 
         "tensors": [it.to_json() for it in items],
         "thresholds": {"min_sqnr_db": min_sqnr, "exact": exact, "passed": not failures, "failures": len(failures),
                        "first_failures": failures[:10]},
+        "not_compared": {"only_a": list(cmp.only_a), "only_b": list(cmp.only_b)},
     }
 
 
@@ -295,8 +354,12 @@ def _db(x: float | None) -> str:
 def render_report(rep: dict[str, Any], top: int = 15) -> str:
     """Tables for people: summary, per format, per layer, worst tensors."""
     s = rep["summary"]
+    def side(d: dict[str, Any]) -> str:
+        layout = d.get("layout", HF)
+        return f"{d['path']} ({d['variant']}{'' if layout == HF else ', ' + layout})"
+
     lines = [
-        f"A {rep['a']['path']} ({rep['a']['variant']})  vs  B {rep['b']['path']} ({rep['b']['variant']})",
+        f"A {side(rep['a'])}  vs  B {side(rep['b'])}",
         f"{s['tensors']} tensors, {s['bit_exact_tensors']} bit-exact; {s['exact_elements']}/{s['elements']} elements "
         f"bit-exact ({100 * s['exact_fraction']:.2f}%); worst SQNR {_db(s['min_sqnr_db'])} dB",
         "",
@@ -311,6 +374,12 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
         for row in rep["layers"]:
             lines.append(f"{row['layer']:>5} {row['format']:<14} {row['tensors']:>8} {row['bit_exact_tensors']:>10} "
                          f"{_db(row['sqnr_db']):>9} {row['max_abs']:>10.4g}")
+    nc = rep.get("not_compared", {})
+    for side, other in (("a", "b"), ("b", "a")):
+        names = nc.get(f"only_{side}") or []
+        if names:
+            why = " (a torch_dist checkpoint holds no vision tower)" if rep[other].get("layout") == TORCH_DIST else ""
+            lines += ["", f"not compared: {len(names)} vision tensors only in {side.upper()}{why}"]
     worst = [t for t in rep["tensors"] if t["bit_exact_tensors"] != 1][:top]
     if worst:
         lines += ["", f"worst {len(worst)} tensors:", f"{'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10}  name"]

@@ -1,15 +1,21 @@
-"""What a checkpoint holds: variant, plan, tensors per layer and format, bytes (headers only)."""
+"""What a checkpoint holds: variant, plan, tensors per layer and format, bytes (headers only).
+
+Any layout :func:`~inkling_ckpt.layouts.detect.open_checkpoint` opens: an HF folder, a sharded
+folder, or a Megatron torch_dist folder read back as release tensors (experts BF16, no vision
+tower). ``storage`` says how the folder holds them.
+"""
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
 from typing import Any
 
-from ..layouts.hf import DTYPE_TO_ST, HFCheckpoint
+from ..layouts.detect import Checkpoint
+from ..layouts.hf import DTYPE_TO_ST
 from ..model.inventory import parameter_count
 
 
-def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
+def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     """A JSON-ready summary; the checkpoint has already been validated against the model table."""
     specs = ckpt.expected()
     by_cat: Counter[str] = Counter()
@@ -33,16 +39,19 @@ def inspect_checkpoint(ckpt: HFCheckpoint) -> dict[str, Any]:
         layers[i]["attention"] = ckpt.cfg.layer_kind(i)
         by_format[ckpt.plan.format_of(i)]["layers"] += 1
     cfg = ckpt.cfg
+    storage = ckpt.storage()
     return {
         "path": str(ckpt.root),
+        "layout": storage["layout"],
         "variant": ckpt.plan.variant,
         "plan": str(ckpt.plan),
         "model": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts,
                   "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": cfg.vocab_size,
-                  "vision": cfg.vision is not None},
+                  "vision": cfg.vision is not None, "vision_stored": bool(ckpt.vision_specs())},
         "tensors": len(specs),
         "parameters": parameter_count(specs, cfg),
-        "files": len({t.file for t in ckpt.tensors.values()}),
+        "files": storage["files"],
+        "storage": storage,
         "bytes": sum(s.nbytes for s in specs),
         "bytes_by_category": dict(sorted(by_cat.items())),
         "bytes_by_dtype": dict(sorted(by_dtype.items())),
@@ -59,14 +68,26 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _layout(st: dict[str, Any]) -> str:
+    if st["layout"] == "torch_dist":
+        src = f", converted from {st['source_plan']}" if st.get("source_plan") else ""
+        return (f"Megatron torch_dist (preset {st['preset']}, {st['keys']} keys; routed experts BF16{src}); "
+                f"config from {st['config']}")
+    if st["layout"] == "sharded":
+        return f"sharded for --tp {st['tp']} --ep {st['ep']} ({st['ranks']} rank folders)"
+    return "Hugging Face safetensors"
+
+
 def render_inspect(info: dict[str, Any]) -> str:
     """The summary as a table for people."""
     m = info["model"]
+    vision = "yes" if m["vision"] and m["vision_stored"] else "in config, not stored" if m["vision"] else "no"
     lines = [
         f"{info['path']}",
+        f"  layout  {_layout(info['storage'])}",
         f"  variant {info['variant']}   plan {info['plan']}",
         f"  model   hidden {m['hidden_size']}, {m['layers']} layers, {m['experts']} experts x {m['moe_intermediate_size']}, "
-        f"vocab {m['vocab_size']}, vision {'yes' if m['vision'] else 'no'}",
+        f"vocab {m['vocab_size']}, vision {vision}",
         f"  {info['tensors']} tensors in {info['files']} files, {_size(info['bytes'])}; "
         f"{info['parameters']:,} parameters",
         "",
