@@ -619,7 +619,7 @@ def config_layer_types_wrong_type(tmp, built):
     cfg = config_of(src)
     text_config(cfg)["layer_types"] = 5
     (src / "config.json").write_text(json.dumps(cfg))
-    return Bad(["inspect", src], "wrong type", "config.json", inputs=[src])
+    return Bad(["inspect", src], "layer_types must be a list", "config.json", inputs=[src])
 
 
 @case

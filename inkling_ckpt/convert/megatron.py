@@ -344,12 +344,14 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
         if any(writer.needed(p.name) for p in stack.parts()):
             jobs += [(e, stack, a, b) for a, b in expert_slices(stack, SLICE_BYTES)]
 
-    def load(job: tuple[Any, Any, int, int]) -> torch.Tensor:
-        e, _, a, b = job
-        return reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))
+    def load(job: tuple[Any, Any, int, int]) -> dict[str, torch.Tensor]:
+        # Read, re-interleave and encode in the read-ahead thread: the main thread only writes,
+        # so the CPU work of one slice overlaps the I/O of the previous one.
+        e, stack, a, b = job
+        return encoder.encode(stack, a, m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
 
-    for (e, stack, a, _), mg in _read_ahead(jobs, load):
-        for suffix, t in encoder.encode(stack, a, m.to_hf(e.key, mg)).items():
+    for (e, stack, a, _), parts in _read_ahead(jobs, load):
+        for suffix, t in parts.items():
             name = e.hf + suffix
             if not writer.needed(name):
                 continue

@@ -27,7 +27,7 @@ from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read
 
 #: Bytes of BF16 expert weights handled at once (bounds memory: the slice, its float32
 #: temporaries in the codecs are chunked separately).
-SLICE_BYTES = 256 * 2**20
+SLICE_BYTES = 64 * 2**20
 
 
 class TensorSource(Protocol):
