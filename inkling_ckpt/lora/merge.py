@@ -7,7 +7,7 @@ scales (NVFP4: the per-expert ``amax`` and denominator stay; MXFP8: fresh block 
 tensors: cast back to their dtype). An expert or tensor whose delta is exactly zero keeps its
 base bytes, so a zero adapter reproduces the base checkpoint byte for byte.
 
-Memory: a slice of experts (``convert.requantize.expert_slices``, ~256 MiB as BF16) or one row
+Memory: a slice of experts (``convert.requantize.expert_slices``, ``SLICE_BYTES`` as BF16) or one row
 chunk of the unembed at a time. Output: staged beside the
 destination, one group of shard files finished at a time (resumable), published by rename.
 """
