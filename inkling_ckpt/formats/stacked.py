@@ -231,9 +231,9 @@ def _decode_nvfp4(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.
         n = r1 - r0
         vals = pair.index_select(0, w2[r0:r1].reshape(-1).int()).view(n, nb, NVFP4_BLOCK)
         sbf = e4m3.index_select(0, sc2[r0:r1].reshape(-1).view(torch.uint8).int()).view(n, nb, 1)
-        v = vals * sbf  # exact (a 2-bit mantissa times a 4-bit one)
-        v *= factor_rows[r0:r1].view(n, 1, 1)  # one rounding, as transformers
-        out2[r0:r1] = v.view(n, cols).to(dtype)
+        vals *= sbf  # exact (a 2-bit mantissa times a 4-bit one)
+        # the float32 product (one rounding, as transformers), cast once into the output
+        torch.mul(vals, factor_rows[r0:r1].view(n, 1, 1), out=out2[r0:r1].view(n, nb, NVFP4_BLOCK))
     return out
 
 
