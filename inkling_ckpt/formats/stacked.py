@@ -29,7 +29,9 @@ import torch
 from ..errors import FormatError, NonFiniteError
 from ._base import block_amax_bits, check_out_dtype, row_chunks
 from .encodings import E4M3, decode_table
-from .nvfp4 import BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _pair_table
+from . import gpu as _gpu
+from .nvfp4 import (BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _block_amax_all,
+                    _pair_table, nvfp4_global_scale)
 from .nvfp4 import _amax as _nvfp4_amax
 from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 
@@ -130,7 +132,18 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
     weight = torch.empty(parts[WEIGHT][0], dtype=torch.uint8, device=w.device)
     scale = torch.empty(parts[SCALE][0], dtype=torch.float8_e4m3fn, device=w.device)
     used = torch.empty(e, dtype=torch.float32, device=w.device)
+    fast_cpu = getattr(codec, "fast", False) and not _gpu.wants(w) and w.is_contiguous()
     for i in range(e):
+        if amax is None and fast_cpu:
+            # One pass for the block maxima, kept for the encode pass (what the codec itself does
+            # when it computes the amax), so the expert's amax comes free and is stored exactly.
+            x2 = w[i].reshape(w.shape[1], -1)
+            bam = _block_amax_all(x2)
+            ga = bam.amax()
+            if bool(torch.isfinite(ga)) and float(ga) >= MIN_GLOBAL_AMAX:
+                wi, si = codec._encode_2d(x2, nvfp4_global_scale(ga), f"{name}[expert {i}]", allow_nonfinite, bam)  # type: ignore[union-attr]
+                weight[i], scale[i], used[i] = wi, si, ga
+                continue
         # The expert's amax (kept, or its own max |x|); below 2^-126 the codec uses 1.0, so store that.
         ga = amax[i] if amax is not None else block_amax_bits(w[i].reshape(1, -1))[0]
         if amax is None and not bool(torch.isfinite(ga)):
