@@ -47,7 +47,7 @@ from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
 from ..progress import ByteProgress
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
-from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint
+from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint, write_slice
 
 log = logging.getLogger(__name__)
 
@@ -350,18 +350,8 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
         e, stack, a, b = job
         return encoder.encode(stack, a, m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
 
-    for (e, stack, a, _), parts in _read_ahead(jobs, load):
-        for suffix, t in parts.items():
-            name = e.hf + suffix
-            if not writer.needed(name):
-                continue
-            if t.dim() == 0:  # the NVFP4 scalar denominator: every slice carries it, write it once
-                if a == 0:
-                    writer.write(name, t)
-                    advance(t.nbytes)
-                continue
-            writer.write_rows(name, a, t.contiguous())
-            advance(t.nbytes)
+    for (e, stack, a, b), parts in _read_ahead(jobs, load):
+        write_slice(writer, stack, a, b, parts, advance)
     for name in writer.pending():  # the vision tower: from the reference, bit for bit
         if not is_vision(name):
             raise CheckpointError(f"megatron-to-hf: nothing produced {name}")

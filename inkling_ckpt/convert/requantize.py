@@ -167,16 +167,27 @@ def write_stack(writer: HFWriter, stack: ExpertStack, advance: Callable[[int], N
     if not any(writer.needed(p.name) for p in parts):
         return
     for first, last in expert_slices(stack):
-        got = produce(first, last)
-        for p in parts:
-            t = got[p.part]  # type: ignore[index]
-            if p.shape == ():
-                if first == 0:
-                    writer.write(p.name, t)
-                    advance(p.nbytes)
-            else:
-                writer.write_rows(p.name, first, t)
-                advance(p.nbytes * (last - first) // p.shape[0])
+        write_slice(writer, stack, first, last, produce(first, last), advance)
 
 
-__all__ = ["requantize", "write_hf_checkpoint", "write_stack", "expert_slices", "Result", "TensorSource"]
+def write_slice(writer: HFWriter, stack: ExpertStack, first: int, last: int, got: Mapping[str, torch.Tensor],
+                advance: Callable[[int], None]) -> None:
+    """Write experts ``first:last`` of a stacked weight (its parts, suffix → tensor) at their rows.
+
+    Every slice carries the NVFP4 scalar denominator; it is written with the first slice only.
+    Parts in a shard a resumed job already finished are skipped.
+    """
+    for p in stack.parts():
+        if not writer.needed(p.name):
+            continue
+        t = got[p.part]  # type: ignore[index]
+        if p.shape == ():
+            if first == 0:
+                writer.write(p.name, t)
+                advance(p.nbytes)
+        else:
+            writer.write_rows(p.name, first, t)
+            advance(p.nbytes * (last - first) // p.shape[0])
+
+
+__all__ = ["requantize", "write_hf_checkpoint", "write_stack", "write_slice", "expert_slices", "Result", "TensorSource"]
