@@ -143,7 +143,8 @@ class HFCheckpoint:
         """Every expected tensor present with the right shape and dtype, nothing unexpected."""
         check_against_inventory(self.tensors, self.expected(), where=str(self.root))
         for n, t in self.tensors.items():
-            if t.dtype not in FLOAT_DTYPES and match_name(n) is not None and match_name(n).row.scope is not Scope.EXPERTS:
+            hit = match_name(n) if t.dtype not in FLOAT_DTYPES else None
+            if hit is not None and hit.row.scope is not Scope.EXPERTS:
                 raise CheckpointError(f"{self.root}: {n} is stored as {DTYPE_TO_ST.get(t.dtype, t.dtype)}; non-expert "
                                       "tensors must be BF16, F16 or F32")
 

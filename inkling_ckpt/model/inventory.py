@@ -174,6 +174,7 @@ ROWS: tuple[Row, ...] = TEXT_ROWS + VISION_ROWS
 EXPERT_ROWS: tuple[Row, ...] = tuple(r for r in TEXT_ROWS if r.scope is Scope.EXPERTS)
 #: Projection key of each stacked expert row ("w13", "w2").
 EXPERT_KEYS: dict[str, Row] = {r.pattern.rsplit(".", 1)[-1].removesuffix("_weight"): r for r in EXPERT_ROWS}
+_KEY_OF: dict[str, str] = {r.pattern: k for k, r in EXPERT_KEYS.items()}
 
 
 @dataclass(frozen=True)
@@ -227,9 +228,13 @@ def expert_stacks(cfg: InklingConfig, plan: PrecisionPlan, layer: int | None = N
     """Every layer's stacked expert weights (w13, then w2), of one layer or all."""
     layers = range(cfg.num_hidden_layers) if layer is None else [layer]
     for i in layers:
-        for key, row in EXPERT_KEYS.items():
-            e, r, c = row.shape_on(cfg, i)
-            yield ExpertStack(row.name(i), i, key, (e, r, c), plan.format_of(i), row.fused)
+        for row in EXPERT_ROWS:
+            yield _stack(row, cfg, plan, i)
+
+
+def _stack(row: Row, cfg: InklingConfig, plan: PrecisionPlan, layer: int) -> ExpertStack:
+    e, r, c = row.shape_on(cfg, layer)
+    return ExpertStack(row.name(layer), layer, _KEY_OF[row.pattern], (e, r, c), plan.format_of(layer), row.fused)
 
 
 def layer_specs(cfg: InklingConfig, plan: PrecisionPlan, layer: int, dtypes: dict[str, torch.dtype] | None = None) -> list[TensorSpec]:
@@ -241,9 +246,7 @@ def layer_specs(cfg: InklingConfig, plan: PrecisionPlan, layer: int, dtypes: dic
             dt = (dtypes or {}).get(name, row.dtype)
             out.append(TensorSpec(name, row.shape_on(cfg, layer), dt, row.category, row, layer=layer))
         elif row.scope is Scope.EXPERTS:
-            e, r, c = row.shape_on(cfg, layer)
-            key = row.pattern.rsplit(".", 1)[-1].removesuffix("_weight")
-            out.extend(ExpertStack(row.name(layer), layer, key, (e, r, c), plan.format_of(layer), row.fused).parts())
+            out.extend(_stack(row, cfg, plan, layer).parts())
     return out
 
 
