@@ -40,3 +40,8 @@ class OutputError(InklingError):
 class AdapterError(CheckpointError):
     """A LoRA adapter that does not fit the schema: unknown or excluded module, a factor without
     its pair, ranks that disagree, a shared factor that differs across experts, wrong shapes."""
+
+
+class DeviceError(InklingError):
+    """The requested device cannot run the job: no usable GPU for ``--device cuda``, or the GPU ran
+    out of memory (the message names the option that shrinks the slice)."""

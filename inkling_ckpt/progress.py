@@ -1,4 +1,5 @@
-"""Progress bars for long work: bytes, rate and ETA on stderr (quiet when asked or not a TTY)."""
+"""Progress bars for long work: bytes, rate, ETA and where the job is ("layer 3 of 48") on stderr
+(quiet when asked or not a TTY)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,17 @@ from tqdm import tqdm
 
 
 class ByteProgress:
-    """A byte-counting progress bar; ``advance(n)`` after each tensor written."""
+    """A byte-counting progress bar; ``advance(n, where)`` after each piece written."""
 
     def __init__(self, total: int, *, desc: str, enabled: bool = True, initial: int = 0):
-        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+        self._bar = tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1000,
                          disable=not enabled or not sys.stderr.isatty(), dynamic_ncols=True, leave=False)
+        self._where = ""
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: int, where: str = "") -> None:
+        if where and where != self._where:
+            self._where = where
+            self._bar.set_postfix_str(where, refresh=False)
         self._bar.update(n)
 
     def __enter__(self) -> "ByteProgress":

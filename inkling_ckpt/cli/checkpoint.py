@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..convert.requantize import Result, requantize
-from ..errors import PlanError
+from ..convert.requantize import requantize
+from ..errors import DeviceError, PlanError
+from ..pipeline import DEFAULT_SLICE_BYTES, DEVICES, Options, Result, current_world, launched_ranks, torchrun
 from ..verify.inspect import inspect_checkpoint, render_inspect
 from ..layouts.detect import open_checkpoint
 from ..layouts.hf import HFCheckpoint, parse_size
@@ -50,14 +52,26 @@ CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not wr
 NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
 
 
+DEVICE_OPT = typer.Option("auto", "--device", help="Where experts are decoded/encoded: auto (CUDA when present), cpu "
+                          "or cuda (under torchrun: each rank's local GPU). Same bytes on every device.")
+SLICE_OPT = typer.Option(DEFAULT_SLICE_BYTES // 2**20, "--slice-mb", min=1, help="BF16 MiB of experts handled at once "
+                         "per worker (at least one expert): bounds host and GPU memory; shrink it on a GPU out-of-memory.")
+WORKERS_OPT = typer.Option(0, "--workers", min=0, help="Units transformed in parallel (0: up to 4 on the CPU, 2 on a GPU).")
+
+
+def run_options(device: str, slice_mb: int, workers: int, quiet: bool) -> Options:
+    """The pipeline options of the shared --device / --slice-mb / --workers / --quiet flags."""
+    if device not in DEVICES and not device.startswith("cuda:"):
+        raise DeviceError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
+    return Options(device=device, slice_bytes=slice_mb * 2**20, workers=workers, progress=not quiet)
+
+
 def report(result: Result, what: str) -> None:
-    """One summary line (and notes) for a finished, resumed or skipped job."""
-    if result.skipped:
-        typer.echo(f"{result.dst}: already holds this {what}; nothing to do (--force to redo)")
+    """The closing line that stays in the log (time, bytes, rate, resume, ranks) and the notes; rank 0 only."""
+    if current_world().rank != 0 or launched_ranks() > 1 and int(os.environ.get("RANK", "0")) != 0:
         return
-    how = "resumed and finished" if result.resumed else "wrote"
-    typer.echo(f"{how} {result.dst}: {result.tensors} tensors, {result.bytes / 2**20:.1f} MiB")
-    for note in result.notes:
+    typer.echo(result.summary(what) if hasattr(result, "summary") else f"wrote {result.dst}")
+    for note in getattr(result, "notes", []):
         typer.echo(f"note: {note}")
 
 
@@ -121,15 +135,23 @@ def quantize(
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
+    device: str = DEVICE_OPT,
+    slice_mb: int = SLICE_OPT,
+    workers: int = WORKERS_OPT,
 ) -> None:
-    """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
+    """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit.
+
+    Under `torchrun --nproc_per_node N` the ranks split the output shards and publish one checkpoint (the same bytes as one process).
+    """
     check_dst(dst, [src, reference])
-    ckpt = HFCheckpoint.open(src)
-    ref = HFCheckpoint.open(reference) if reference else None
-    result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
-                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="quantize")
-    report(result, "quantization")
+    opts = run_options(device, slice_mb, workers, quiet)
+    with torchrun():
+        ckpt = HFCheckpoint.open(src)
+        ref = HFCheckpoint.open(reference) if reference else None
+        result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
+                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                            command="quantize", options=opts)
+        report(result, "quantization")
 
 
 @app.command("dequantize")
@@ -139,16 +161,20 @@ def dequantize(
     max_shard_size: str = SHARD_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
+    device: str = DEVICE_OPT,
+    slice_mb: int = SLICE_OPT,
+    workers: int = WORKERS_OPT,
 ) -> None:
-    """Decode every routed expert to BF16."""
+    """Decode every routed expert to BF16 (under torchrun: the ranks split the output shards)."""
     check_dst(dst, [src])
-    ckpt = HFCheckpoint.open(src)
-    if ckpt.plan.variant == "bf16":
-        raise PlanError(f"{src} is already BF16")
-    result = requantize(ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
-                        max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet,
-                        command="dequantize")
-    report(result, "dequantization")
+    opts = run_options(device, slice_mb, workers, quiet)
+    with torchrun():
+        ckpt = HFCheckpoint.open(src)
+        if ckpt.plan.variant == "bf16":
+            raise PlanError(f"{src} is already BF16")
+        result = requantize(ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
+                            max_shard_size=parse_size(max_shard_size), force=force, command="dequantize", options=opts)
+        report(result, "dequantization")
 
 
-__all__ = ["PRESETS", "report"]
+__all__ = ["PRESETS", "report", "run_options", "DEVICE_OPT", "SLICE_OPT", "WORKERS_OPT"]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import typer
 
@@ -15,12 +14,12 @@ from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf,
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
-from ..layouts.limits import check_count
 from ..layouts.paths import check_dst
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app
-from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
+from ..pipeline import launched_ranks, torchrun
+from .checkpoint import DEVICE_OPT, FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, SLICE_OPT, WORKERS_OPT, report, run_options
 
 convert_app = typer.Typer(
     name="convert",
@@ -46,22 +45,6 @@ SCALES_HELP = (
 )
 
 
-@contextmanager
-def _torchrun() -> Iterator[None]:
-    """Join the process group when started by torchrun (gloo: the collectives only exchange plans)."""
-    import torch.distributed as dist
-
-    started = False
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
-        started = True
-    try:
-        yield
-    finally:
-        if started:
-            dist.destroy_process_group()
-
-
 def _steady_memory() -> None:
     """Make glibc return large freed blocks to the OS at once (Linux/glibc only; else a no-op).
 
@@ -77,13 +60,6 @@ def _steady_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
     except (OSError, AttributeError):
         pass
-
-
-def _one_process(command: str) -> None:
-    """Refuse torchrun for commands that write one HF folder from one process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise PlanError(f"convert {command} runs in one process; start it without torchrun "
-                        "(only hf-to-megatron splits its work over ranks)")
 
 
 def _rank() -> int:
@@ -105,6 +81,9 @@ def hf_to_megatron_cmd(
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
     dry_run: bool = DRY_RUN_OPT,
+    device: str = DEVICE_OPT,
+    slice_mb: int = SLICE_OPT,
+    workers: int = WORKERS_OPT,
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
@@ -117,18 +96,17 @@ def hf_to_megatron_cmd(
     if not dry_run:
         check_dst(dst, [src])
     if dry_run:
-        ranks = int(os.environ.get("WORLD_SIZE", "1"))
-        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks)
+        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=launched_ranks())
         if _rank() == 0:
             typer.echo(json.dumps(info, indent=2))
         return
+    opts = run_options(device, slice_mb, workers, quiet)
     _steady_memory()
-    with _torchrun():
+    with torchrun():
         ckpt = HFCheckpoint.open(src)
         result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
-                                progress=not quiet and _rank() == 0)
-        if _rank() == 0:
-            report(result, "conversion")
+                                options=opts)
+        report(result, "conversion")
 
 
 @convert_app.command("megatron-to-hf")
@@ -146,6 +124,9 @@ def megatron_to_hf_cmd(
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
     dry_run: bool = DRY_RUN_OPT,
+    device: str = DEVICE_OPT,
+    slice_mb: int = SLICE_OPT,
+    workers: int = WORKERS_OPT,
 ) -> None:
     """Bring trained Megatron weights back to HF in the served precision.
 
@@ -153,19 +134,21 @@ def megatron_to_hf_cmd(
 
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
-    _one_process("megatron-to-hf")
     if not dry_run:
         check_dst(dst, [src, reference])
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
     if dry_run:
-        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset)), indent=2))
+        if _rank() == 0:
+            typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset)), indent=2))
         return
-    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=get_preset(preset),  # type: ignore[arg-type]
-                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
-                            force=force, progress=not quiet)
-    report(result, "conversion")
+    opts = run_options(device, slice_mb, workers, quiet)
+    with torchrun():
+        result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=get_preset(preset),  # type: ignore[arg-type]
+                                max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
+                                force=force, options=opts)
+        report(result, "conversion")
 
 
 @convert_app.command("hf-to-hf")
@@ -178,6 +161,9 @@ def hf_to_hf_cmd(
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
+    device: str = DEVICE_OPT,
+    slice_mb: int = SLICE_OPT,
+    workers: int = WORKERS_OPT,
 ) -> None:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
@@ -185,11 +171,12 @@ def hf_to_hf_cmd(
 
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
-    _one_process("hf-to-hf")
     check_dst(dst, [src])
+    opts = run_options(device, slice_mb, workers, quiet)
     _steady_memory()
-    ckpt = HFCheckpoint.open(src)
-    result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
-                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="hf-to-hf")
-    report(result, "conversion")
+    with torchrun():
+        ckpt = HFCheckpoint.open(src)
+        result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
+                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                            command="hf-to-hf", options=opts)
+        report(result, "conversion")

@@ -41,10 +41,13 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int) -> d
 
 
 def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
-                 allow_nonfinite: bool = False) -> torch.Tensor:
-    """Experts ``first:last`` of a stored stacked weight as BF16 [n, rows, cols]."""
-    return decode_stacked(stack.fmt, read_parts(src, stack, first, last), torch.bfloat16, name=stack.name,
-                          allow_nonfinite=allow_nonfinite)
+                 allow_nonfinite: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
+    """Experts ``first:last`` of a stored stacked weight as BF16 [n, rows, cols], decoded on ``device``
+    (default: where the parts are read, the CPU); the result stays there."""
+    parts = read_parts(src, stack, first, last)
+    if device is not None and torch.device(device).type != "cpu":
+        parts = {k: v.to(device) for k, v in parts.items()}
+    return decode_stacked(stack.fmt, parts, torch.bfloat16, name=stack.name, allow_nonfinite=allow_nonfinite)
 
 
 class ExpertEncoder:
@@ -78,13 +81,15 @@ class ExpertEncoder:
     def encode(self, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """BF16 experts ``first:first+n`` of ``stack`` ([n, rows, cols]) → its stored parts (suffix → tensor).
 
-        NVFP4's scalar ``_outer_scale_denominator`` is included (the same for every slice).
+        Runs where ``x`` is (the parts come back on that device). NVFP4's scalar ``_outer_scale_denominator`` is included (the same for every slice).
         """
         fmt = stack.fmt
         last = first + x.shape[0]
         ref = self.reference if (self.scales == "keep" and self.reference is not None
                                  and self.reference.plan.format_of(stack.layer) == fmt) else None
         ref_parts = read_parts(ref, stack, first, last) if ref is not None and fmt != "bf16" else None
+        if ref_parts is not None and x.device.type != "cpu":
+            ref_parts = {k: v.to(x.device) for k, v in ref_parts.items()}
         amax = ref_parts[AMAX] if ref_parts is not None and fmt == "nvfp4" else None
         codec = self._mx if fmt == "mxfp8" else fmt
         parts = encode_stacked(codec, x, name=stack.name, amax=amax, allow_nonfinite=self.allow_nonfinite)

@@ -17,95 +17,45 @@ from the reference) and takes the vision tower and the configs from the referenc
 ``common.pt`` keeps the source ``config.json`` (``inkling.config``) beside the preset and the source
 plan, so the read-only commands open the folder with no ``--config`` (``layouts.torch_dist_release``).
 
-Both publish atomically (``layouts.staging``), skip a finished job unless forced and resume an
-interrupted one; in the torch_dist folder ``metadata.json`` is written last.
+Both run through :mod:`inkling_ckpt.pipeline` (``--device``, worker threads, ranks under
+torchrun: hf-to-megatron's ranks split the conversion units, megatron-to-hf's own whole output
+shards), publish atomically, skip a finished job unless forced and resume an interrupted one; in
+the torch_dist folder ``metadata.json`` is written last.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
-from dataclasses import dataclass
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import __version__
-from ..errors import CheckpointError, InklingError, PlanError
-from ..layouts.hf import DTYPE_TO_ST, HFWriter
+from ..errors import CheckpointError, PlanError
 from ..layouts.megatron import (
     CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
     finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
-from ..layouts.staging import Staging
-from ..model.inventory import expert_stacks, inventory, is_vision
-from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES, stored_shape_ok
+from ..layouts.torch_dist_release import check_torch_dist
+from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory, is_vision
+from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
-from ..progress import ByteProgress
+from ..pipeline import (
+    Executor, Options, Result, Stage, Unit, World, assign, current_world, dense_units, run_staged, stack_units,
+    to_host, write_hf,
+)
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
-from .requantize import Result, TensorSource, expert_slices, write_hf_checkpoint, write_slice
+from .requantize import TensorSource, read_dense
 
 log = logging.getLogger(__name__)
-
-#: BF16 expert bytes megatron-to-hf reads and re-encodes at once (at least one expert). A slice
-#: is alive about four times over (assembled read, the next read ahead, interleaved, encoded).
-SLICE_BYTES = 64 * 2**20
-
-# ---- distributed helpers ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    size: int = 1
-
-    @property
-    def distributed(self) -> bool:
-        return self.size > 1
-
-
-def current_world() -> World:
-    if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size())
-    return World()
-
-
-def _broadcast(obj: Any, world: World) -> Any:
-    if not world.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_ok(err: BaseException | None, world: World) -> None:
-    """Collective: raise on every rank when any rank failed (the first failing rank's message)."""
-    if not world.distributed:
-        if err is not None:
-            raise err
-        return
-    msgs: list[Any] = [None] * world.size
-    dist.all_gather_object(msgs, None if err is None else (type(err).__name__, str(err), isinstance(err, InklingError)))
-    if err is not None:
-        raise err
-    for m in msgs:
-        if m is not None:
-            raise CheckpointError(f"another rank failed: {m[1]}") if m[2] else RuntimeError(f"another rank failed: {m[0]}: {m[1]}")
 
 
 def assign_units(sizes: dict[str, int], world: World) -> dict[str, int]:
     """Unit → rank: largest first onto the least-loaded rank (deterministic)."""
-    load = [0] * world.size
-    owner: dict[str, int] = {}
-    for unit, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
-        r = min(range(world.size), key=lambda i: (load[i], i))
-        owner[unit] = r
-        load[r] += n
-    return owner
+    return assign(sizes, world.size)
 
 
 # ---- hf-to-megatron -----------------------------------------------------------------------------
@@ -130,7 +80,7 @@ def plan_megatron(m: MegatronMapping) -> tuple[list[ChunkItem], list[ObjectItem]
 def source_mapping(src: TensorSource, preset: str | Preset = DEFAULT_PRESET) -> MegatronMapping:
     """The mapping of a release source (its own non-expert dtypes), checked against its tensors."""
     m = MegatronMapping(src.cfg, preset, dtypes=src.dtypes())
-    m.check_hf(src.tensors, str(getattr(src, "root", "source")))
+    m.check_hf(src.tensors, str(getattr(src, "root", "source")))  # type: ignore[attr-defined]
     return m
 
 
@@ -147,16 +97,17 @@ def _validated_plan(src: TensorSource, preset: str | Preset):
     return m, chunks, objects, unit_no, sizes
 
 
-def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bool = False) -> Callable[[ChunkItem], torch.Tensor]:
-    """Builds one stored chunk from the source: a tensor as stored, or experts decoded to BF16."""
+def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bool = False,
+                   device: torch.device | None = None) -> Callable[[ChunkItem], torch.Tensor]:
+    """Builds one stored chunk from the source: a tensor as stored, or experts decoded to BF16 (on ``device``)."""
     stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
 
     def produce(item: ChunkItem) -> torch.Tensor:
         e = m.entry(item.key)
         if e.stacked:
             a = item.offsets[0]
-            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite)
-            return m.to_megatron(e.key, w)
+            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite, device=device)
+            return m.to_megatron(e.key, w).to("cpu")
         return m.to_megatron(e.key, src.get(e.hf))
     return produce
 
@@ -164,116 +115,91 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
 def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1) -> dict[str, Any]:
     """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
     m, chunks, objects, _, sizes = _validated_plan(src, preset)
-    owner = assign_units(sizes, World(0, ranks))
+    owner = assign(sizes, ranks)
     return {
         "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
         "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
         "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
-        "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),
+        "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),  # type: ignore[attr-defined]
         "units": {u: {"bytes": n, "rank": owner[u]} for u, n in sizes.items()},
     }
 
 
+def _unit_read_bytes(src: TensorSource, m: MegatronMapping) -> dict[int, int]:
+    """Source bytes each conversion unit reads (stacked experts: their stored parts)."""
+    in_bytes = {st.name: sum(p.nbytes for p in st.parts()) for st in expert_stacks(src.cfg, src.plan)}
+    tensors = getattr(src, "tensors", {})
+    unit_no = {u: i for i, u in enumerate(m.units)}
+    out: dict[int, int] = {}
+    for e in m.entries():
+        n = in_bytes[e.hf] if e.stacked else (tensors[e.hf].nbytes if e.hf in tensors else 0)
+        out[unit_no[e.unit]] = out.get(unit_no[e.unit], 0) + n
+    return out
+
+
 def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset = DEFAULT_PRESET,
-                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
+                   options: Options | None = None) -> Result:
     """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
+    t0 = time.perf_counter()
     world = current_world()
+    ex = Executor(options or Options(progress=progress), desc="hf-to-megatron", world=world)
     m, chunks, objects, unit_no, sizes = _validated_plan(src, preset)
-    owner = assign_units(sizes, world)
+    owner = assign(sizes, world.size)
     mine = {unit_no[u] for u, r in owner.items() if r == world.rank}
     my_chunks = [c for c in chunks if c.unit in mine]
     my_objects = [o for o in objects if o.unit in mine]
+    read_of = _unit_read_bytes(src, m)
+    unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
     job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name}
-    result = Result(Path(dst))
-    produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite)
-
-    total = sum(c.nbytes for c in my_chunks)
+    produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
-    # Collective points, in the same order on every rank: broadcast(status), all_ok(written),
-    # all_ok(published). Rank 0 owns the staging folder and publishes.
-    if world.rank == 0:
-        written = False
-        try:
-            with ExitStack() as stack:
-                try:
-                    st = stack.enter_context(Staging(dst, job, force=force))
-                except BaseException as e:
-                    _broadcast({"error": str(e)}, world)
-                    raise
-                _broadcast({"done": st.done, "path": str(st.path)}, world)
-                if st.done:
-                    result.skipped = True
-                else:
-                    result.resumed = st.resumed
-                    err = _write_share(Path(st.path) / RELEASE, my_chunks, my_objects, produce, total, progress, order)
-                    _all_ok(err, world)  # every rank has written; .metadata is there
-                    written = True
-                    finish_iteration_dir(Path(st.path) / RELEASE, common_state(
-                        inkling={"version": __version__, "preset": m.preset.name, "vocab_size": src.cfg.vocab_size,
-                                 "source_plan": str(src.plan), CONFIG_KEY: stored_config(src.config)}))
-                    write_tracker(Path(st.path))
-        except BaseException as e:
-            if written:
-                _all_ok(e, world)  # tell the others, who wait for the publish; re-raises here
-            raise
-        _all_ok(None, world)
-    else:
-        status = _broadcast(None, world)
-        if "error" in status:
-            raise CheckpointError(f"rank 0 could not start: {status['error']}")
-        if status["done"]:
-            result.skipped = True
-        else:
-            err = _write_share(Path(status["path"]) / RELEASE, my_chunks, my_objects, produce, total, False, order)
-            _all_ok(err, world)
-        _all_ok(None, world)
-    if result.skipped:
+    layers = src.cfg.num_hidden_layers
+    where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
+
+    def work(stage: Stage) -> None:
+        folder = Path(stage.path) / RELEASE
+        folder.mkdir(parents=True, exist_ok=True)
+        total = sum(c.nbytes for c in my_chunks)
+        seen: set[int] = set()
+        with ex.progress(total) as bar:
+            def written(n: int, unit: int, reused: bool) -> None:
+                bar.advance(n, where[unit])
+                if unit not in seen:  # a unit's read bytes once, when it starts
+                    seen.add(unit)
+                    if reused:
+                        ex.stats.units_reused += 1
+                        ex.stats.bytes_reused += unit_bytes[unit]
+                    else:
+                        ex.stats.units += 1
+                        ex.stats.bytes_read += read_of.get(unit, 0)
+                if not reused:
+                    ex.stats.bytes_written += n
+            write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
+                      key_order=order, map_items=ex.map)
+
+    def finish(stage: Stage, _: None) -> None:
+        finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
+            inkling={"version": __version__, "preset": m.preset.name, "vocab_size": src.cfg.vocab_size,
+                     "source_plan": str(src.plan), CONFIG_KEY: stored_config(src.config)}))
+        write_tracker(Path(stage.path))
+
+    outcome = run_staged(dst, job, world, work, finish, force=force)
+    result = Result(Path(dst), skipped=outcome.skipped)
+    if outcome.skipped:
         return result
+    result.add_ranks(ex.finish(), seconds=time.perf_counter() - t0)
     result.tensors = len(m.keys())
     result.bytes = sum(c.nbytes for c in chunks)
     return result
 
 
-def _write_share(folder: Path, chunks: list[ChunkItem], objects: list[ObjectItem], produce: Callable[[ChunkItem], torch.Tensor],
-                 total: int, progress: bool, order: list[str]) -> BaseException | None:
-    """This rank's part of the collective DCP save; returns the error instead of raising it."""
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        with ByteProgress(total, desc="hf-to-megatron", enabled=progress) as bar:
-            write_dcp(folder, chunks, objects, produce, on_written=bar.advance, save_id=f"inkling-{__version__}",
-                      key_order=order)
-    except (InklingError, OSError) as e:
-        return e
-    return None
+def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:
+    layer = next((e.layer for e in m.entries() if e.unit == unit and e.layer is not None), None)
+    return f"layer {layer + 1} of {layers}" if layer is not None else "embeddings and head"
 
 
 # ---- megatron-to-hf -----------------------------------------------------------------------------
-
-
-def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[str, torch.dtype]:
-    """Every mapped key present at its global shape, experts BF16, no tensor left unused.
-
-    Returns the stored dtype of each non-expert release tensor (written back as stored). The two
-    vocabulary tensors may hold more rows than the release (a Megatron-padded vocabulary); the
-    extra rows are dropped on the way back.
-    """
-    where = str(reader.folder)
-    m.check_megatron(reader.keys, where)
-    dtypes: dict[str, torch.dtype] = {}
-    for e in m.entries():
-        st = reader.keys[e.key]
-        if not stored_shape_ok(e, st.shape):
-            shown = f"[>= {e.shape[0]}, {e.shape[1]}]" if e.rule.vocab else str(list(e.shape))
-            raise CheckpointError(f"{where}: {e.key} is {list(st.shape)}, the reference config says {shown}")
-        if e.stacked:
-            if st.dtype != torch.bfloat16:
-                raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}; routed experts "
-                                      "must be BF16 (no implicit casts)")
-        elif st.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}, not a float tensor")
-        else:
-            dtypes[e.hf] = st.dtype
-    return dtypes
 
 
 def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
@@ -305,14 +231,14 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
 
 def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
                    scales: ScalePolicy = "keep", preset: str | Preset = DEFAULT_PRESET, max_shard_size: int | str = "5GB",
-                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
+                   options: Options | None = None) -> Result:
     """Write the torch_dist checkpoint ``src`` as a release checkpoint at ``dst`` in ``plan``'s formats.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
     default plan and, with ``scales="keep"``, the NVFP4 amax and the bytes of unchanged blocks.
+    Under torchrun the ranks split the output shards and publish one checkpoint.
     """
-    if current_world().distributed:
-        raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
     reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
     cfg = reference.cfg
     encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" else None,
@@ -321,57 +247,58 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
            "plan": str(plan), "scales": scales, "preset": m.preset.name, "max_shard_size": str(max_shard_size),
            "allow_nonfinite": allow_nonfinite}
-    return write_hf_checkpoint(
-        dst, job, specs, config, reference.extra_files(),
-        lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, advance),
-        max_shard_size=max_shard_size, force=force, progress=progress, desc="megatron-to-hf",
-    )
+    ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes)
+    return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
+                    _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size, force=force)
 
 
-def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, writer: HFWriter,
-                  encoder: ExpertEncoder, advance: Callable[[int], None]) -> None:
-    for e in m.entries():
-        if not e.stacked and writer.needed(e.hf):
-            t = m.to_hf(e.key, reader.read(e.key))
-            writer.write(e.hf, t.contiguous())
-            advance(t.nbytes)
-    stacks = {st.name: st for st in expert_stacks(m.cfg, encoder.plan)}
-    jobs: list[tuple[Any, Any, int, int]] = []  # (entry, output stack, first expert, last)
-    for e in m.entries():
-        if not e.stacked:
+def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
+    """Units in output order: dense tensors whole (the inverse rules work on whole tensors), experts by slice."""
+    layers = m.cfg.num_hidden_layers
+    stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
+    by_hf = {e.hf: e for e in m.entries()}
+    units: list[Unit] = []
+    dense: list[TensorSpec] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.part is None:
+            dense.append(spec)
             continue
-        stack = stacks[e.hf]
-        if any(writer.needed(p.name) for p in stack.parts()):
-            jobs += [(e, stack, a, b) for a, b in expert_slices(stack, SLICE_BYTES)]
-
-    def load(job: tuple[Any, Any, int, int]) -> dict[str, torch.Tensor]:
-        # Read, re-interleave and encode in the read-ahead thread: the main thread only writes,
-        # so the CPU work of one slice overlaps the I/O of the previous one.
-        e, stack, a, b = job
-        return encoder.encode(stack, a, m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
-
-    for (e, stack, a, b), parts in _read_ahead(jobs, load):
-        write_slice(writer, stack, a, b, parts, advance)
-    for name in writer.pending():  # the vision tower: from the reference, bit for bit
-        if not is_vision(name):
-            raise CheckpointError(f"megatron-to-hf: nothing produced {name}")
-        t = reference.get(name)
-        writer.write(name, t)
-        advance(t.nbytes)
+        base = spec.base or ""
+        if base in seen:
+            continue
+        seen.add(base)
+        units += dense_units(dense, slice_bytes, layers, row_reads=False)
+        dense = []
+        e = by_hf[base]
+        bf16 = e.shape[0] * e.shape[1] * e.shape[2] * 2
+        units += stack_units(stacks[base], slice_bytes, layers, read_bytes=bf16)
+    return units + dense_units(dense, slice_bytes, layers, row_reads=False)
 
 
-def _read_ahead(jobs: list[Any], load: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
-    """``(job, load(job))`` in order, loading the next job in a thread while the caller works on this one."""
-    if not jobs:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-read-ahead") as pool:
-        pending = pool.submit(load, jobs[0])
-        for i, job in enumerate(jobs):
-            data = pending.result()
-            if i + 1 < len(jobs):
-                pending = pool.submit(load, jobs[i + 1])
-            yield job, data
-            del data
+def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,
+                     ex: Executor) -> Callable[[Unit], dict[str, torch.Tensor]]:
+    by_hf = {e.hf: e for e in m.entries()}
+
+    def run(unit: Unit) -> dict[str, torch.Tensor]:
+        if isinstance(unit.data, tuple) and unit.data and isinstance(unit.data[0], ExpertStack):
+            stack, a, b = unit.data
+            e = by_hf[stack.name]
+            x = ex.to_device(reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:])))
+            got = to_host(encoder.encode(stack, a, m.to_hf(e.key, x)))
+            return {stack.name + k: v for k, v in got.items()}
+        out: dict[str, torch.Tensor] = {}
+        for name, a, b in unit.pieces:
+            if name in by_hf:
+                t = m.to_hf(by_hf[name].key, reader.read(by_hf[name].key)).contiguous()
+                out[name] = t if (a, b) == (0, t.shape[0] if t.dim() else 1) else t[a:b]
+            elif is_vision(name):  # the vision tower: from the reference, bit for bit
+                out.update(read_dense(reference, [(name, a, b)]))
+            else:
+                raise CheckpointError(f"megatron-to-hf: nothing produces {name}")
+        return out
+    return run
 
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "describe_hf_to_megatron", "describe_megatron_to_hf", "plan_megatron",

@@ -4,30 +4,29 @@ Streams from any tensor source (an :class:`HFCheckpoint` or a synthetic checkpoi
 atomically published folder. Non-expert tensors are copied bit for bit (in the source's own
 dtypes); a layer's stacked experts go a few experts at a time — copied part for part when the
 layer keeps its format, else decoded to BF16 and encoded in the target format — so memory is
-bounded by an expert slice, never a layer.
+bounded by an expert slice, never a layer. The units run through :mod:`inkling_ckpt.pipeline`
+(device, worker threads, ranks, unit-grain resume).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from ..errors import CheckpointError
-from ..layouts.hf import HFWriter, write_extra_files, write_json
-from ..layouts.staging import Staging
 from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
-from ..progress import ByteProgress
+from ..pipeline import DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, dense_units, stack_units, to_host, write_hf
+from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
 
-#: Bytes of BF16 expert weights handled at once (bounds memory: the slice, its float32
-#: temporaries in the codecs are chunked separately).
-SLICE_BYTES = 64 * 2**20
+#: Bytes of BF16 expert weights handled at once by default (``--slice-mb``; bounds memory: the
+#: slice, its float32 temporaries in the codecs are chunked separately).
+SLICE_BYTES = DEFAULT_SLICE_BYTES
 
 
 class TensorSource(Protocol):
@@ -45,23 +44,9 @@ class TensorSource(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-@dataclass
-class Result:
-    """What a conversion did."""
-
-    dst: Path
-    skipped: bool = False
-    resumed: bool = False
-    tensors: int = 0
-    bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
 def expert_slices(stack: ExpertStack, slice_bytes: int = SLICE_BYTES) -> list[tuple[int, int]]:
     """(first, last) expert ranges of a stacked weight, each about ``slice_bytes`` of BF16."""
-    e, r, c = stack.shape
-    step = max(1, slice_bytes // max(1, r * c * 2))
-    return [(a, min(e, a + step)) for a in range(0, e, step)]
+    return _expert_slices(stack, slice_bytes)
 
 
 def requantize(
@@ -76,8 +61,13 @@ def requantize(
     force: bool = False,
     progress: bool = True,
     command: str = "requantize",
+    options: Options | None = None,
 ) -> Result:
-    """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done)."""
+    """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done).
+
+    ``options`` picks the device, slice budget and workers (default: ``--device auto``); under
+    torchrun the ranks split the output shards and publish one checkpoint.
+    """
     cfg = src.cfg
     if len(plan) != cfg.num_hidden_layers:
         raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {cfg.num_hidden_layers}")
@@ -89,105 +79,72 @@ def requantize(
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
            "reference": reference.describe() if reference is not None and reference is not src else None,  # type: ignore[attr-defined]
            "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
-    result = write_hf_checkpoint(
-        dst, job, specs, config, src.extra_files(),
-        lambda writer, advance: _stream(src, writer, specs, plan, encoder, advance),
-        max_shard_size=max_shard_size, force=force, progress=progress, desc=command,
-    )
+    ex = Executor(options or Options(progress=progress), desc=command)
+    units = plan_units(src, specs, plan, ex.slice_bytes)
+    result = write_hf(ex, dst, job, specs, config, src.extra_files(), units, transform(src, plan, encoder, ex),
+                      max_shard_size=max_shard_size, force=force)
     if "nvfp4" in plan.used_formats() and not result.skipped:
         result.notes.append("NVFP4 experts carry no activation scales (none is pinned by the release format): "
                             "the serving engine calibrates them")
     return result
 
 
-def write_hf_checkpoint(
-    dst: str | Path,
-    job: dict[str, Any],
-    specs: list[TensorSpec],
-    config: dict[str, Any],
-    extra_files: Mapping[str, bytes],
-    produce: Callable[[HFWriter, Callable[[int], None]], None],
-    *,
-    max_shard_size: int | str,
-    force: bool,
-    progress: bool,
-    desc: str,
-) -> Result:
-    """Publish an HF checkpoint of ``specs`` at ``dst``: the part every HF-writing converter shares.
-
-    ``produce(writer, advance)`` writes the tensors ``writer.needed()`` still asks for (a
-    resumed job skips finished shards). Configs and pass-through files follow; the folder is
-    published atomically, or skipped when ``dst`` already holds this job.
-    """
-    result = Result(Path(dst))
-    with Staging(dst, job, force=force) as st:
-        if st.done:
-            result.skipped = True
-            return result
-        result.resumed = st.resumed
-        writer = HFWriter(st, specs, max_shard_size)
-        total = sum(s.nbytes for s in specs)
-        todo = sum(s.nbytes for s in specs if writer.needed(s.name))
-        with ByteProgress(total, desc=desc, enabled=progress, initial=total - todo) as bar:
-            try:
-                produce(writer, bar.advance)
-            finally:
-                writer.abort()
-            writer.close()
-        write_json(st.path / "config.json", config)
-        write_extra_files(dict(extra_files), st.path)
-        result.tensors = len(specs)
-        result.bytes = total
-    return result
-
-
-def _stream(src: TensorSource, writer: HFWriter, specs: list[TensorSpec], plan: PrecisionPlan,
-            encoder: ExpertEncoder, advance: Callable[[int], None]) -> None:
+def plan_units(src: TensorSource, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
+    """The job's units in output order: each layer's dense tensors, then its experts slice by slice."""
+    layers = src.cfg.num_hidden_layers
+    in_bytes = {st.name: sum(p.nbytes for p in st.parts()) for st in expert_stacks(src.cfg, src.plan)}
+    stacks = {st.name: st for st in expert_stacks(src.cfg, plan)}
+    row_reads = getattr(src, "row_reads", True)
+    units: list[Unit] = []
+    dense: list[TensorSpec] = []
+    seen: set[str] = set()
     for spec in specs:
-        if spec.part is None and writer.needed(spec.name):
-            writer.write(spec.name, src.get(spec.name))
-            advance(spec.nbytes)
-    for layer in range(src.cfg.num_hidden_layers):
-        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer)):
-            write_stack(writer, out_stack, advance, lambda a, b, o=out_stack, i=in_stack: _slice(src, encoder, o, i, a, b))
-
-
-def _slice(src: TensorSource, encoder: ExpertEncoder, out: ExpertStack, inp: ExpertStack, first: int,
-           last: int) -> dict[str, torch.Tensor]:
-    if out.fmt == inp.fmt:
-        return read_parts(src, inp, first, last)  # same format: the stored bytes as they are
-    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite)
-    return encoder.encode(out, first, x)
-
-
-def write_stack(writer: HFWriter, stack: ExpertStack, advance: Callable[[int], None],
-                produce: Callable[[int, int], Mapping[str, torch.Tensor]]) -> None:
-    """Write one stacked expert weight's parts slice by slice; ``produce(first, last)`` gives a slice's parts."""
-    parts = stack.parts()
-    if not any(writer.needed(p.name) for p in parts):
-        return
-    for first, last in expert_slices(stack):
-        write_slice(writer, stack, first, last, produce(first, last), advance)
-
-
-def write_slice(writer: HFWriter, stack: ExpertStack, first: int, last: int, got: Mapping[str, torch.Tensor],
-                advance: Callable[[int], None]) -> None:
-    """Write experts ``first:last`` of a stacked weight (its parts, suffix → tensor) at their rows.
-
-    Every slice carries the NVFP4 scalar denominator; it is written with the first slice only.
-    Parts in a shard a resumed job already finished are skipped.
-    """
-    for p in stack.parts():
-        if not writer.needed(p.name):
+        if spec.part is None:
+            dense.append(spec)
             continue
-        t = got[p.part]  # type: ignore[index]
-        if p.shape == ():
-            if first == 0:
-                writer.write(p.name, t)
-                advance(p.nbytes)
+        base = spec.base
+        if base in seen:
+            continue
+        seen.add(base)  # type: ignore[arg-type]
+        units += dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+        dense = []
+        units += stack_units(stacks[base], slice_bytes, layers, read_bytes=in_bytes[base])  # type: ignore[index]
+    return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+
+
+def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex: Executor) -> Callable[[Unit], dict[str, torch.Tensor]]:
+    """Read → (decode → encode on the executor's device) → the unit's output tensors by name."""
+    in_stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+
+    def run(unit: Unit) -> dict[str, torch.Tensor]:
+        if not isinstance(unit.data, tuple) or not unit.data or not isinstance(unit.data[0], ExpertStack):
+            return read_dense(src, unit.pieces)
+        out, first, last = unit.data
+        inp = in_stacks[out.name]
+        if out.fmt == inp.fmt:
+            got = read_parts(src, inp, first, last)  # same format: the stored bytes as they are
         else:
-            writer.write_rows(p.name, first, t)
-            advance(p.nbytes * (last - first) // p.shape[0])
+            x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite, device=ex.device)
+            got = to_host(encoder.encode(out, first, x))
+        return {out.name + k: v for k, v in got.items()}
+    return run
 
 
-__all__ = ["requantize", "write_hf_checkpoint", "write_stack", "write_slice", "expert_slices", "Result", "TensorSource"]
+def read_dense(src: Any, pieces: Sequence[tuple[str, int, int]]) -> dict[str, torch.Tensor]:
+    """The rows of each piece of dense tensors, read as stored."""
+    out: dict[str, torch.Tensor] = {}
+    for name, a, b in pieces:
+        t = src.get(name) if a == 0 and (not getattr(src, "row_reads", True) or _whole(src, name, b)) \
+            else src.read_rows(name, a, b)
+        out[name] = t[a:b] if t.dim() and (a, b) != (0, t.shape[0]) else t
+    return out
+
+
+def _whole(src: Any, name: str, stop: int) -> bool:
+    tensors = getattr(src, "tensors", None)
+    st = tensors.get(name) if isinstance(tensors, Mapping) else None
+    shape = getattr(st, "shape", None)
+    return shape is None or not shape or shape[0] == stop
+
+
+__all__ = ["requantize", "plan_units", "transform", "read_dense", "expert_slices", "Result", "TensorSource"]

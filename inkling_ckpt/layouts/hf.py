@@ -10,6 +10,7 @@ is bounded by one tensor, not one shard; a shard counts as finished only once co
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import struct
@@ -29,7 +30,7 @@ from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_file_inside, check_name, inside
-from .staging import DONE_FILE, JOB_FILE, Staging
+from .staging import DONE_FILE, JOB_FILE
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -368,19 +369,33 @@ class _Shard:
         self.file = file
         self.entries = [(n, specs[n].shape, specs[n].dtype) for n in names]
         self.header, self.offsets = _st_header(self.entries)
+        self.size = len(self.header) + sum(b - a for a, b in self.offsets.values())
         self.remaining = set(names)
-        self.fh = None
+        self.fh: Any = None
+        self.journal: list[str] = []  # pieces written since the last checkpoint ("name start stop")
+        self.reused_bytes = 0  # bytes an interrupted run had written (finished shard or journaled pieces)
+
+
+#: A resumed job keeps the pieces of an unfinished shard that were on disk at the last checkpoint;
+#: one is taken (fdatasync, then the piece list appended to ``<shard>.partial.pieces``) every this
+#: many bytes written, so an interruption loses at most about this much work.
+CHECKPOINT_BYTES = 512 * 2**20
+PIECES_SUFFIX = ".pieces"
 
 
 class HFWriter:
     """Writes a planned set of tensors as sharded safetensors into a :class:`Staging` folder.
 
-    Tensors may arrive in any order; each must match its planned shape and dtype exactly.
-    On resume, shards already finished are kept and :meth:`needed` says which tensors still
-    have to be produced.
+    Tensors may arrive in any order, whole or as row ranges ("pieces"); each must match its
+    planned shape and dtype exactly. The shard files follow from the plan alone; with
+    ``ranks > 1`` each rank writes the shards :meth:`owns` says are its (whole files, assigned
+    by size), so N ranks write the files one process would. On resume, finished shards are
+    kept, and so are the pieces of an unfinished shard recorded at its last checkpoint:
+    :meth:`needed` / :meth:`piece_needed` say what still has to be produced.
     """
 
-    def __init__(self, staging: Staging, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD):
+    def __init__(self, staging: Any, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
+                 *, rank: int = 0, ranks: int = 1):
         self.staging = staging
         self.specs = {s.name: s for s in specs}
         split = split_state_dict_into_shards_factory(
@@ -390,16 +405,44 @@ class HFWriter:
         self.is_sharded = split.is_sharded
         self.weight_map = dict(split.tensor_to_filename)
         self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
-        self._rows: dict[str, int] = {}  # rows written so far of tensors written in slices
+        self.rank, self.ranks = rank, ranks
+        self.owner = _assign({f: sh.size for f, sh in self.shards.items()}, ranks)
+        self._pieces: dict[str, list[tuple[int, int]]] = {}  # disjoint sorted row ranges done, of tensors not complete
+        self._since_checkpoint = 0
         for f, shard in self.shards.items():
-            if staging.is_finished(f):
+            if self.owner[f] != rank:
+                shard.remaining.clear()  # another rank's file
+            elif staging.is_finished(f):
+                shard.reused_bytes = sum(b - a for a, b in shard.offsets.values())
                 shard.remaining.clear()
+            elif getattr(staging, "resumed", False):
+                self._load_pieces(shard)
+
+    # ---- what is left ------------------------------------------------------------------------
+
+    def owns(self, name: str) -> bool:
+        """Whether ``name`` lies in a shard this rank writes."""
+        return self.owner[self.weight_map[name]] == self.rank
 
     def needed(self, name: str) -> bool:
+        """Whether any row of ``name`` still has to be written by this rank."""
         return name in self.shards[self.weight_map[name]].remaining
+
+    def piece_needed(self, name: str, start: int, stop: int) -> bool:
+        """Whether rows ``start:stop`` of ``name`` still have to be written by this rank."""
+        return self.needed(name) and not _covers(self._pieces.get(name, []), start, stop)
 
     def pending(self) -> list[str]:
         return [n for n in self.specs if self.needed(n)]
+
+    def reused_bytes(self) -> int:
+        """Bytes of this rank's shards an interrupted run had already written."""
+        return sum(sh.reused_bytes for f, sh in self.shards.items() if self.owner[f] == self.rank)
+
+    def owned_files(self) -> list[str]:
+        return [f for f in self.shards if self.owner[f] == self.rank]
+
+    # ---- writing -----------------------------------------------------------------------------
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         """Write a whole planned tensor."""
@@ -432,48 +475,153 @@ class HFWriter:
             raise CheckpointError(f"writer: {name} is not part of the planned output")
         return spec
 
+    def _open(self, shard: _Shard) -> Any:
+        if shard.fh is None:
+            path = self.staging.partial(shard.file)
+            if shard.reused_bytes and path.is_file():
+                shard.fh = open(path, "r+b")  # keep the pieces an interrupted run wrote
+            else:
+                shard.fh = open(path, "wb")
+                shard.fh.write(shard.header)
+                shard.fh.truncate(shard.size)
+        return shard.fh
+
     def _put(self, name: str, start: int, tensor: torch.Tensor, rows: int) -> None:
         spec = self.specs[name]
         shard = self.shards[self.weight_map[name]]
-        if name not in shard.remaining:
+        if name not in shard.remaining or _covers(self._pieces.get(name, []), start, start + rows):
             return
-        if shard.fh is None:
-            path = self.staging.partial(shard.file)
-            shard.fh = open(path, "wb")
-            shard.fh.write(shard.header)
-            shard.fh.truncate(len(shard.header) + sum(b - a for a, b in shard.offsets.values()))
+        fh = self._open(shard)
         a, _ = shard.offsets[name]
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
-        shard.fh.seek(len(shard.header) + a + start * row_bytes)
+        fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        shard.fh.write(memoryview(data))
-        total = spec.shape[0] if spec.shape else 1
-        done = self._rows.get(name, 0) + rows
-        if done < total:
-            self._rows[name] = done
-            return
-        self._rows.pop(name, None)
-        shard.remaining.discard(name)
+        fh.write(memoryview(data))
+        self._since_checkpoint += data.nbytes
+        shard.journal.append(f"{name} {start} {start + rows}")
+        self._done_rows(shard, name, start, rows)
         if not shard.remaining:
-            shard.fh.close()
+            fh.close()
             shard.fh = None
+            shard.journal.clear()
             self.staging.finish(shard.file)
+            pieces = self._pieces_path(shard)
+            if pieces.exists():
+                pieces.unlink()
+        elif self._since_checkpoint >= CHECKPOINT_BYTES:
+            self.checkpoint()
 
-    def close(self) -> None:
-        """Write the index; every planned tensor must have been written."""
+    def _done_rows(self, shard: _Shard, name: str, start: int, rows: int) -> None:
+        spec = self.specs[name]
+        total = spec.shape[0] if spec.shape else 1
+        done = _merge(self._pieces.get(name, []), start, start + rows)
+        if done == [(0, total)]:
+            self._pieces.pop(name, None)
+            shard.remaining.discard(name)
+        else:
+            self._pieces[name] = done
+
+    # ---- unit-grain resume -------------------------------------------------------------------
+
+    def _pieces_path(self, shard: _Shard) -> Path:
+        return self.staging.path / (shard.file + ".partial" + PIECES_SUFFIX)
+
+    def checkpoint(self) -> None:
+        """Make the pieces written so far survive an interruption: data to disk, then their list."""
+        for shard in self.shards.values():
+            if shard.fh is None or not shard.journal:
+                continue
+            shard.fh.flush()
+            os.fdatasync(shard.fh.fileno())
+            with open(self._pieces_path(shard), "a") as j:
+                j.write("".join(line + "\n" for line in shard.journal))
+                j.flush()
+            shard.journal.clear()
+        self._since_checkpoint = 0
+
+    def _load_pieces(self, shard: _Shard) -> None:
+        """Take back the pieces of a partial shard listed at its last checkpoint (if the file is whole)."""
+        partial = self.staging.path / (shard.file + ".partial")
+        listed = self._pieces_path(shard)
+        try:
+            if not partial.is_file() or partial.stat().st_size != shard.size or not listed.is_file():
+                return
+            with open(partial, "rb") as f:
+                if f.read(len(shard.header)) != shard.header:
+                    return
+            lines = listed.read_text().splitlines()
+        except OSError:
+            return
+        seen: set[tuple[str, int, int]] = set()
+        for line in lines:
+            fields = line.rsplit(" ", 2)
+            if len(fields) != 3 or fields[0] not in shard.offsets or not (fields[1].isdigit() and fields[2].isdigit()):
+                continue  # a line cut short by the interruption
+            name, a, b = fields[0], int(fields[1]), int(fields[2])
+            spec = self.specs[name]
+            total = spec.shape[0] if spec.shape else 1
+            if (name, a, b) in seen or not 0 <= a < b <= total or name not in shard.remaining \
+                    or _covers(self._pieces.get(name, []), a, b):
+                continue
+            seen.add((name, a, b))
+            row_bytes = spec.nbytes // total if total else spec.nbytes
+            shard.reused_bytes += (b - a) * row_bytes
+            self._done_rows(shard, name, a, b - a)
+
+    # ---- the end -----------------------------------------------------------------------------
+
+    def close(self, *, index: bool | None = None) -> None:
+        """Check this rank wrote everything it owns; write the index (rank 0 by default)."""
         left = self.pending()
         if left:
             raise CheckpointError(f"writer: {len(left)} planned tensors were never written (first: {left[0]})")
+        if (self.rank == 0 if index is None else index):
+            self.write_index()
+
+    def write_index(self) -> None:
+        """The index of a sharded output (it follows from the plan: any rank may write it)."""
         if self.is_sharded:
             total = sum(s.nbytes for s in self.specs.values())
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(self.weight_map.items()))}
             (self.staging.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
     def abort(self) -> None:
+        """Close the open files, recording the pieces written so far (a rerun resumes from them)."""
+        try:
+            self.checkpoint()
+        except OSError:
+            pass
         for shard in self.shards.values():
             if shard.fh is not None:
                 shard.fh.close()
                 shard.fh = None
+
+
+def _merge(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:
+    """Disjoint sorted ranges with ``[a, b)`` added (touching ranges join)."""
+    out: list[tuple[int, int]] = []
+    for x, y in sorted([*ranges, (a, b)]):
+        if out and x <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], y))
+        else:
+            out.append((x, y))
+    return out
+
+
+def _covers(ranges: list[tuple[int, int]], a: int, b: int) -> bool:
+    """Whether ``[a, b)`` lies inside one of the (merged) ``ranges``."""
+    return any(x <= a and b <= y for x, y in ranges)
+
+
+def _assign(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
+    """Shard file → rank: largest first onto the least-loaded rank (deterministic)."""
+    load = [0] * max(1, ranks)
+    owner: dict[str, int] = {}
+    for f, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
+        r = min(range(len(load)), key=lambda i: (load[i], i))
+        owner[f] = r
+        load[r] += n
+    return owner
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -146,6 +146,8 @@ class ObjectItem:
 
 
 Produce = Callable[[ChunkItem], torch.Tensor]
+Written = Callable[[int, int, bool], None]
+MapItems = Callable[[Sequence[Any], Callable[[Any], Any]], Iterator[tuple[Any, Any]]]
 
 
 # ---- writer -----------------------------------------------------------------------------------
@@ -198,10 +200,11 @@ class _LazyPlanner(DefaultSavePlanner):
 class _UnitWriter(FileSystemWriter):
     """A DCP storage writer: one file per unit, finished atomically, skipped when already done."""
 
-    def __init__(self, path: Path, *, on_written: Callable[[int], None] | None = None, save_id: str = "inkling",
-                 key_order: Sequence[str] = ()):
+    def __init__(self, path: Path, *, on_written: Written | None = None, save_id: str = "inkling",
+                 key_order: Sequence[str] = (), map_items: MapItems | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True)
-        self._on_written = on_written or (lambda n: None)
+        self._on_written: Written = on_written or (lambda n, unit, reused: None)
+        self._map: MapItems = map_items or _read_ahead
         self._save_id = save_id
         self._order = {k: i for i, k in enumerate(key_order)}
         self.units_resumed = 0
@@ -262,7 +265,8 @@ class _UnitWriter(FileSystemWriter):
         done = _read_sidecar(sidecar, name, items)
         if done is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
             self.units_resumed += 1
-            self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO))  # type: ignore[union-attr]
+            self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO),  # type: ignore[union-attr]
+                             unit, True)
             return done
         partial = root / (name + ".partial")
         results: list[WriteResult] = []
@@ -271,7 +275,7 @@ class _UnitWriter(FileSystemWriter):
                   [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
         sums: list[str] = []
         with open(partial, "wb") as f, _no_crc32():
-            for wi, data in _read_ahead(planner, ordered):
+            for wi, data in self._map(ordered, planner.resolve_data):
                 start = f.tell()
                 hw = _HashingWriter(f)
                 if isinstance(data, io.BytesIO):
@@ -288,7 +292,7 @@ class _UnitWriter(FileSystemWriter):
                 results.append(WriteResult(index=wi.index, size_in_bytes=length,
                                            storage_data=_StorageInfo(name, start, length)))
                 if not isinstance(data, io.BytesIO):
-                    self._on_written(data.nbytes)
+                    self._on_written(data.nbytes, unit, False)
                 del data
             f.flush()
             os.fsync(f.fileno())
@@ -340,8 +344,8 @@ def _read_sums(folder: Path) -> dict[tuple[str, int, int], str]:
     return sums
 
 
-def _read_ahead(planner: _LazyPlanner, items: list[WriteItem]) -> Iterator[tuple[WriteItem, Any]]:
-    """``(item, data)`` in order, building the next item in a thread while the caller writes this one.
+def _read_ahead(items: Sequence[Any], build: Callable[[Any], Any]) -> Iterator[tuple[Any, Any]]:
+    """``(item, build(item))`` in order, building the next item in a thread while the caller writes this one.
 
     Reading the source (disk) and writing the output (page cache, writeback) then overlap; at
     most two chunks are in memory.
@@ -349,11 +353,11 @@ def _read_ahead(planner: _LazyPlanner, items: list[WriteItem]) -> Iterator[tuple
     if not items:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-read-ahead") as pool:
-        pending = pool.submit(planner.resolve_data, items[0])
+        pending = pool.submit(build, items[0])
         for i, wi in enumerate(items):
             data = pending.result()
             if i + 1 < len(items):
-                pending = pool.submit(planner.resolve_data, items[i + 1])
+                pending = pool.submit(build, items[i + 1])
             yield wi, data
             del data
 
@@ -394,15 +398,18 @@ def _read_sidecar(path: Path, name: str, items: list[WriteItem]) -> list[WriteRe
 
 
 def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[ObjectItem], produce: Produce, *,
-              on_written: Callable[[int], None] | None = None, process_group: Any = None,
-              save_id: str = "inkling", key_order: Sequence[str] = ()) -> int:
+              on_written: Written | None = None, process_group: Any = None,
+              save_id: str = "inkling", key_order: Sequence[str] = (), map_items: MapItems | None = None) -> int:
     """Write this rank's chunks and objects; collectively write ``.metadata`` (rank 0).
 
     Call on every rank with that rank's items (disjoint across ranks). Returns how many units
     were found finished from an earlier, interrupted run. ``key_order`` (every rank's keys) makes
     ``.metadata`` list keys in that order, so its bytes do not depend on the number of ranks.
+    ``on_written(nbytes, unit, reused)`` follows each chunk written (a reused unit: once, all its
+    bytes). ``map_items(items, fn)`` yields ``(item, fn(item))`` in order, building items ahead
+    (the pipeline executor's ``map``: worker threads, the device); default: one read-ahead thread.
     """
-    writer = _UnitWriter(folder, on_written=on_written, save_id=save_id, key_order=key_order)
+    writer = _UnitWriter(folder, on_written=on_written, save_id=save_id, key_order=key_order, map_items=map_items)
     planner = _LazyPlanner(chunks, objects, produce)
     no_dist = not (dist.is_available() and dist.is_initialized())
     try:

@@ -29,10 +29,37 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..model.config import InklingConfig, read_json
 from ..model.inventory import TensorSpec, inventory, nbytes
-from ..model.mapping import PRESETS, MegatronMapping, get_preset
+from ..model.mapping import PRESETS, MegatronMapping, get_preset, stored_shape_ok
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
+from .hf import DTYPE_TO_ST
 from .megatron import COMMON, INKLING_KEY, TorchDistCheckpoint, read_stored_config
+
+
+def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[str, torch.dtype]:
+    """Every mapped key present at its global shape, experts BF16, no tensor left unused.
+
+    Returns the stored dtype of each non-expert release tensor (written back as stored). The two
+    vocabulary tensors may hold more rows than the release (a Megatron-padded vocabulary); the
+    extra rows are dropped on the way back.
+    """
+    where = str(reader.folder)
+    m.check_megatron(reader.keys, where)
+    dtypes: dict[str, torch.dtype] = {}
+    for e in m.entries():
+        st = reader.keys[e.key]
+        if not stored_shape_ok(e, st.shape):
+            shown = f"[>= {e.shape[0]}, {e.shape[1]}]" if e.rule.vocab else str(list(e.shape))
+            raise CheckpointError(f"{where}: {e.key} is {list(st.shape)}, the reference config says {shown}")
+        if e.stacked:
+            if st.dtype != torch.bfloat16:
+                raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}; routed experts "
+                                      "must be BF16 (no implicit casts)")
+        elif st.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise CheckpointError(f"{where}: {e.key} is {DTYPE_TO_ST.get(st.dtype, st.dtype)}, not a float tensor")
+        else:
+            dtypes[e.hf] = st.dtype
+    return dtypes
 
 
 class MissingConfigError(ConfigError):
@@ -90,8 +117,6 @@ class TorchDistRelease:
         ``default_config`` is used only when ``config`` is not given and the folder keeps none
         (``verify`` passes the other checkpoint's).
         """
-        from ..convert.megatron import check_torch_dist  # the converter's check: keys, shapes, BF16 experts
-
         root = Path(path)
         reader = TorchDistCheckpoint.open(root)
         stored = read_stored_config(reader.common)
@@ -193,4 +218,4 @@ def _mapping_for(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str) ->
     return best  # not reached: check_megatron raised
 
 
-__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config"]
+__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config", "check_torch_dist"]

@@ -67,6 +67,8 @@ def _weight(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
 class SynthSource:
     """A BF16 release checkpoint of a preset size that exists only as a generator (a tensor source)."""
 
+    row_reads = False  # rows of a dense tensor are cut from the whole generated tensor: read it whole
+
     def __init__(self, size: str, *, layers: int | None = None, experts: int | None = None, seed: int = SEED):
         self.config = preset_config(size, layers=layers, experts=experts)
         self.cfg = InklingConfig.from_dict(self.config)

@@ -1,0 +1,233 @@
+"""The executor: runs a command's units through read → transform → write, bounded and overlapped.
+
+A command hands it a list of :class:`Unit` (planned from headers, in output order) and a
+``transform(unit)`` that reads the unit's input bytes and returns what to write (decoding /
+re-encoding / renaming / slicing on :attr:`Executor.device`); ``sink(unit, result)`` writes it.
+Transforms run on a pool of worker threads (torch ops and file reads release the GIL), at most
+``workers + 1`` units in flight, so memory is a few slices whatever the checkpoint size; results
+reach the sink in plan order on the calling thread (the only one that writes), so writing
+overlaps the next units' reading and transforming, and what is written never depends on the
+schedule. On CUDA every worker has its own stream; a GPU out-of-memory becomes one
+:class:`~inkling_ckpt.errors.DeviceError` naming ``--slice-mb``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import torch
+
+from ..progress import ByteProgress
+from .device import oom_as_error, peak_gpu_bytes, resolve_device
+from .world import World, current_world, gather
+
+T = TypeVar("T")
+
+#: BF16 bytes of routed experts one unit handles (at least one expert): the slice budget.
+DEFAULT_SLICE_BYTES = 64 * 2**20
+#: Parallel transforms at most by default: each holds a few copies of its slice, so this bounds
+#: memory (~1 GiB with real-size experts) more than the cores do.
+MAX_DEFAULT_WORKERS = 4
+
+
+def cores() -> int:
+    """CPU cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One independent piece of a job: what it reads and writes, and where the job is when it runs.
+
+    ``key`` is unique in the plan and stable across runs; ``where`` is shown by the progress bar
+    ("layer 3 of 48"); ``pieces`` are the output rows it produces (``(tensor, first row, last
+    row)``: resume and rank assignment of file outputs use them); ``data`` is the command's own.
+    """
+
+    key: str
+    where: str = ""
+    read_bytes: int = 0
+    write_bytes: int = 0
+    pieces: tuple[tuple[str, int, int], ...] = ()
+    data: Any = None
+
+
+@dataclass
+class Options:
+    """How to run: the device for the codecs, the slice budget, worker threads, progress bar."""
+
+    device: str = "auto"
+    slice_bytes: int = DEFAULT_SLICE_BYTES
+    workers: int = 0  # 0: min(cores, MAX_DEFAULT_WORKERS) on the CPU, 2 on a GPU
+    progress: bool = True
+
+
+@dataclass
+class RankStats:
+    """What one rank did."""
+
+    rank: int = 0
+    device: str = "cpu"
+    workers: int = 1
+    units: int = 0
+    units_reused: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    bytes_reused: int = 0
+    seconds: float = 0.0
+    peak_gpu_bytes: int = 0
+    where: list[str] = field(default_factory=list)  # first and last position this rank worked on
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "device": self.device, "workers": self.workers, "units": self.units,
+                "units_reused": self.units_reused, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
+                "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
+                "peak_gpu_bytes": self.peak_gpu_bytes, "span": self.where}
+
+
+class Executor:
+    """Runs units for one command on one rank; see the module docstring."""
+
+    def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None):
+        self.options = options or Options()
+        self.desc = desc
+        self.world = world or current_world()
+        self.device = resolve_device(self.options.device)
+        self.slice_bytes = max(1, int(self.options.slice_bytes))
+        if self.options.workers > 0:
+            self.workers = self.options.workers
+        elif self.device.type == "cuda":
+            self.workers = 2  # one slice on the GPU while the next is read and the last copied back
+        else:
+            self.workers = max(1, min(cores(), MAX_DEFAULT_WORKERS))
+        self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers)
+        self._t0 = time.perf_counter()
+        self._local = threading.local()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    # ---- running units -----------------------------------------------------------------------
+
+    def map(self, units: Sequence[Any], transform: Callable[[Any], T]) -> Iterator[tuple[Any, T]]:
+        """``(unit, transform(unit))`` in order; transforms run ahead on the workers, bounded.
+
+        Works on any items (a :class:`Unit` or a storage writer's own items). An error in a
+        transform is raised here, at its unit, after the work in flight is cancelled.
+        """
+        if not units:
+            return
+        if self.workers == 1 and self.device.type == "cpu":
+            for u in units:  # no thread: the simplest schedule, same results
+                yield u, transform(u)
+            return
+        threads = max(1, cores() // self.workers) if self.device.type == "cpu" else 1
+        main_threads = torch.get_num_threads()
+
+        def init() -> None:
+            torch.set_num_threads(threads)  # per worker: the workers together use the cores once
+
+        pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="inkling-unit", initializer=init)
+        pending: deque[tuple[Any, Future[T]]] = deque()
+        it = iter(units)
+        try:
+            with oom_as_error():
+                for u in it:
+                    pending.append((u, pool.submit(self._run_one, transform, u)))
+                    if len(pending) > self.workers:
+                        break
+                while pending:
+                    u, fut = pending.popleft()
+                    result = fut.result()
+                    nxt = next(it, None)
+                    if nxt is not None:
+                        pending.append((nxt, pool.submit(self._run_one, transform, nxt)))
+                    yield u, result
+                    del result
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(main_threads)
+
+    def _run_one(self, transform: Callable[[Any], T], unit: Any) -> T:
+        if self.device.type != "cuda":
+            return transform(unit)
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            out = transform(unit)
+            stream.synchronize()
+        return out
+
+    def run(self, units: Sequence[Unit], transform: Callable[[Unit], T], sink: Callable[[Unit, T], None], *,
+            reused: Sequence[Unit] = (), total_bytes: int | None = None) -> RankStats:
+        """Transform every unit and hand each result to ``sink`` in order, with a progress bar.
+
+        ``reused`` are this rank's units an interrupted run already wrote (counted, not redone).
+        """
+        done_bytes = sum(u.write_bytes for u in reused)
+        total = total_bytes if total_bytes is not None else done_bytes + sum(u.write_bytes for u in units)
+        self.note_reused(reused)
+        with self.progress(total, initial=done_bytes) as bar:
+            for u, result in self.map(units, transform):
+                sink(u, result)
+                self.note_done(u)
+                bar.advance(u.write_bytes, u.where)
+        return self.stats
+
+    def progress(self, total: int, *, initial: int = 0) -> ByteProgress:
+        """This run's progress bar (rank 0 only)."""
+        return ByteProgress(total, desc=self.desc, enabled=self.options.progress and self.world.rank == 0,
+                            initial=initial)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def note_done(self, unit: Unit) -> None:
+        """Count a unit this rank transformed and wrote."""
+        s = self.stats
+        s.units += 1
+        s.bytes_read += unit.read_bytes
+        s.bytes_written += unit.write_bytes
+        if unit.where:
+            s.where = [s.where[0] if s.where else unit.where, unit.where]
+
+    def note_reused(self, units: Sequence[Unit]) -> None:
+        """Count units an interrupted run had finished (a resume reused them)."""
+        self.stats.units_reused += len(units)
+        self.stats.bytes_reused += sum(u.write_bytes for u in units)
+
+    def finish(self) -> list[RankStats]:
+        """Collective: every rank's stats (rank order), this rank's elapsed time and peak GPU memory filled in."""
+        self.stats.seconds = time.perf_counter() - self._t0
+        self.stats.peak_gpu_bytes = peak_gpu_bytes(self.device)
+        return [RankStats(**d) if isinstance(d, dict) else d for d in gather(self.stats, self.world)]
+
+    # ---- device helpers for transforms -------------------------------------------------------
+
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the executor's device (a no-op on the CPU)."""
+        if self.device.type == "cpu":
+            return t
+        return t.to(self.device, non_blocking=False)
+
+    def parts_to_device(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: self.to_device(v) for k, v in parts.items()}
+
+
+def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of ``parts`` on the CPU (waits for the copies)."""
+    return {k: (v if v.device.type == "cpu" else v.to("cpu")) for k, v in parts.items()}
+
+
+__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "MAX_DEFAULT_WORKERS", "cores",
+           "to_host"]
