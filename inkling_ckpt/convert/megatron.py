@@ -175,6 +175,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                         ex.stats.bytes_read += read_of.get(unit, 0)
                 if not reused:
                     ex.stats.bytes_written += n
+                    ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
                       key_order=order, map_items=ex.map)
 

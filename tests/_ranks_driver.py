@@ -1,0 +1,69 @@
+"""Runs several inkling-ckpt commands in one torchrun launch (one process-group start for all).
+
+Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K]
+
+JOBS.json: a list of argument lists, run in order through the CLI. ``--die-after K``: rank 1
+exits hard (``os._exit``) after writing K units, as a crashed rank would. Rank 0 prints each
+job's exit code and, for the last job, the library's result as JSON (``"ranks"`` included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch.distributed as dist
+
+from inkling_ckpt.cli import checkpoint as cli_checkpoint
+from inkling_ckpt.cli.app import main
+from inkling_ckpt.pipeline import executor
+
+
+def _die_after(k: int) -> None:
+    done = executor.Executor.note_done
+
+    def note_done(self, unit):  # type: ignore[no-untyped-def]
+        done(self, unit)
+        if self.world.rank == 1 and self.stats.units >= k:
+            os._exit(3)
+
+    executor.Executor.note_done = note_done  # type: ignore[method-assign]
+
+
+def _capture_results() -> list:
+    seen: list = []
+    report = cli_checkpoint.report
+
+    def capture(result, what):  # type: ignore[no-untyped-def]
+        seen.append(result)
+        report(result, what)
+
+    cli_checkpoint.report = capture
+    import inkling_ckpt.cli.convert as cli_convert
+    cli_convert.report = capture
+    return seen
+
+
+if __name__ == "__main__":
+    jobs = json.loads(open(sys.argv[1]).read())
+    if "--die-after" in sys.argv:
+        _die_after(int(sys.argv[sys.argv.index("--die-after") + 1]))
+    results = _capture_results()
+    rank = int(os.environ.get("RANK", "0"))
+    # One process group for every job (each command joins it instead of starting its own:
+    # re-creating gloo groups back to back in one process is slow and races on the ports).
+    dist.init_process_group("gloo")
+    for args in jobs:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if rank == 0:
+            print(f"EXIT {code} {' '.join(args[:2])}", flush=True)
+        if code:
+            sys.exit(code)
+    if rank == 0 and results:
+        print("RESULT " + json.dumps([r.as_dict() for r in results]), flush=True)
+    dist.destroy_process_group()

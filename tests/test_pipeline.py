@@ -1,0 +1,217 @@
+"""The shared executor (inkling_ckpt.pipeline): ordering, bounds, errors, devices, ranks, resume."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, free_port, same_files, subprocess_env
+from inkling_ckpt.errors import DeviceError
+from inkling_ckpt.pipeline import Executor, Options, Unit, resolve_device
+from inkling_ckpt.pipeline import executor as executor_mod
+
+BIN = Path(sys.executable).parent
+DRIVER = Path(__file__).parent / "_ranks_driver.py"
+
+
+# ---- the executor ---------------------------------------------------------------------------------
+
+
+def test_map_yields_in_plan_order_with_bounded_work_in_flight():
+    ex = Executor(Options(device="cpu", workers=3, progress=False))
+    active = 0
+    peak = 0
+    lock = threading.Lock()
+    made: list[int] = []
+    consumed: list[int] = []
+    ahead = 0
+
+    def work(i: int) -> int:
+        nonlocal active, peak
+        with lock:
+            active += 1
+            peak = max(peak, active)
+            made.append(i)
+        time.sleep(0.01 * ((7 * i) % 5))  # finish out of order
+        with lock:
+            active -= 1
+        return i * i
+
+    for i, r in ex.map(list(range(40)), work):
+        assert r == i * i
+        consumed.append(i)
+        ahead = max(ahead, len(made) - len(consumed))
+    assert consumed == list(range(40))
+    assert 1 < peak <= 3
+    assert ahead <= ex.workers + 1  # never more than workers + 1 units produced and not yet written
+
+
+def test_a_failing_transform_raises_at_its_unit_and_stops_the_rest():
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    started: list[int] = []
+
+    def work(i: int) -> int:
+        started.append(i)
+        if i == 5:
+            raise ValueError("unit 5 is bad")
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="unit 5"):
+        for i, _ in ex.map(list(range(100)), work):
+            got.append(i)
+    assert got == [0, 1, 2, 3, 4]
+    assert max(started) < 10  # the queue is bounded: the tail was never started
+
+
+def test_run_counts_units_bytes_and_reused():
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    units = [Unit(f"u{i}", f"layer {i + 1} of 3", read_bytes=10, write_bytes=4) for i in range(3)]
+    written: list[str] = []
+    ex.run(units[1:], lambda u: u.key, lambda u, r: written.append(r), reused=units[:1])
+    s = ex.finish()[0]
+    assert written == ["u1", "u2"]
+    assert (s.units, s.units_reused, s.bytes_read, s.bytes_written, s.bytes_reused) == (2, 1, 20, 8, 4)
+    assert s.where == ["layer 2 of 3", "layer 3 of 3"]
+
+
+def test_device_choice():
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(DeviceError, match="not a device"):
+        resolve_device("tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_device_cuda_without_a_gpu_is_one_line_and_publishes_nothing(cli, tmp_path):
+    code, out, err = cli("quantize", TINY["bf16"], tmp_path / "q", "--plan", "mxfp8", "--device", "cuda", "-q")
+    assert code != 0
+    assert err.strip().count("\n") == 0 and "--device cuda: no usable GPU" in err
+    assert not (tmp_path / "q").exists() and not (tmp_path / ".q.inkling-partial").exists()
+
+
+def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
+    args = ("--plan", "0-1:nvfp4,2-3:mxfp8", "--max-shard-size", "1MB", "-q", "--device", "cpu")
+    assert cli("quantize", TINY["bf16"], tmp_path / "a", *args, "--workers", "1")[0] == 0
+    code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "b", *args, "--workers", "3", "--slice-mb", "1")
+    assert code == 0
+    assert same_files(tmp_path / "a", tmp_path / "b") == []
+    # The closing line: time, bytes read and written, rate; nothing claimed as resumed.
+    assert "wrote" in out and " in " in out and "read " in out and "MB/s" in out and "resum" not in out
+
+
+# ---- unit-grain resume -----------------------------------------------------------------------------
+
+
+def test_an_interrupted_single_shard_job_resumes_from_its_pieces(cli, tmp_path, monkeypatch):
+    """One output shard: the rerun reuses the pieces written before the interruption (not from zero)."""
+    from inkling_ckpt.layouts import hf as hf_mod
+
+    args = ("--plan", "mxfp8", "-q", "--device", "cpu", "--workers", "1", "--slice-mb", "1")
+    assert cli("quantize", TINY["bf16"], tmp_path / "ref", *args)[0] == 0
+    monkeypatch.setattr(hf_mod, "CHECKPOINT_BYTES", 1)  # record pieces after every write
+    calls = {"n": 0}
+    done = executor_mod.Executor.note_done
+
+    def interrupt_after_some(self, unit):
+        done(self, unit)
+        calls["n"] += 1
+        if calls["n"] == 8:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(executor_mod.Executor, "note_done", interrupt_after_some)
+    code, _, err = cli("quantize", TINY["bf16"], tmp_path / "out", *args)
+    assert code == 130 and not (tmp_path / "out").exists()
+    assert len(list((tmp_path / ".out.inkling-partial").glob("*.pieces"))) == 1
+    monkeypatch.setattr(executor_mod.Executor, "note_done", done)
+    code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "out", *args)
+    assert code == 0, out
+    assert out.startswith("resumed and finished") and "the resume reused" in out
+    assert same_files(tmp_path / "ref", tmp_path / "out") == []
+
+
+def test_a_rerun_that_reuses_nothing_does_not_claim_a_resume(cli, tmp_path, monkeypatch):
+    args = ("--plan", "mxfp8", "-q", "--device", "cpu", "--workers", "1")
+    done = executor_mod.Executor.note_done
+
+    def interrupt_first(self, unit):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(executor_mod.Executor, "note_done", interrupt_first)
+    assert cli("quantize", TINY["bf16"], tmp_path / "out", *args)[0] == 130
+    monkeypatch.setattr(executor_mod.Executor, "note_done", done)
+    code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "out", *args)
+    assert code == 0 and out.startswith("wrote ") and "resum" not in out
+
+
+# ---- ranks -------------------------------------------------------------------------------------------
+
+
+def _torchrun(jobs: list[list[str]], tmp_path: Path, *extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
+    spec = tmp_path / f"jobs-{len(list(tmp_path.glob('jobs-*')))}.json"
+    spec.write_text(json.dumps([[str(a) for a in j] for j in jobs]))
+    return subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", free_port(),
+                           str(DRIVER), str(spec), *extra], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600)
+
+
+def _jobs(out: Path) -> list[list[str]]:
+    common = ["-q", "--device", "cpu", "--max-shard-size", "1MB"]
+    return [
+        ["quantize", str(TINY["bf16"]), str(out / "quantize"), "--plan", "0-1:nvfp4,2-3:mxfp8", *common],
+        ["dequantize", str(TINY["mixed"]), str(out / "dequantize"), *common],
+        ["convert", "hf-to-hf", str(TINY["mixed"]), str(out / "hf-to-hf"), "--plan", "mxfp8", *common],
+        ["convert", "hf-to-megatron", str(TINY["mixed"]), str(out / "megatron"), "-q", "--device", "cpu"],
+        ["convert", "megatron-to-hf", str(out / "megatron"), str(out / "back"), "--reference", str(TINY["mixed"]),
+         *common],
+    ]
+
+
+def _same_tree(a: Path, b: Path) -> list[str]:
+    import filecmp
+
+    files = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
+    return sorted(str(f) for f in files
+                  if not (a / f).is_file() or not (b / f).is_file() or not filecmp.cmp(a / f, b / f, shallow=False))
+
+
+def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for job in _jobs(one):
+        code, out, err = cli(*job)
+        assert code == 0, err
+    r = _torchrun(_jobs(two), tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("quantize", "dequantize", "hf-to-hf", "megatron", "back"):
+        assert _same_tree(one / name, two / name) == [], name
+    results = json.loads(r.stdout.split("RESULT ", 1)[1])
+    for res in results:
+        ranks = res["ranks"]
+        assert ranks["count"] == 2
+        # Each rank did a share, not the whole job.
+        assert all(0 < each["bytes_written"] < res["bytes"] for each in ranks["each"]), res
+        assert sum(each["bytes_written"] for each in ranks["each"]) >= res["bytes"] * 0.95
+    assert "2 ranks" in r.stdout
+
+
+def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path):
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    job = ["dequantize", str(TINY["mixed"]), str(out), "-q", "--device", "cpu", "--max-shard-size", "300KB",
+           "--workers", "1", "--slice-mb", "1"]
+    assert cli(*[job[0], job[1], str(ref), *job[3:]])[0] == 0
+    r = _torchrun([job], tmp_path, "--die-after", "3")
+    assert r.returncode != 0
+    assert not out.exists()
+    staging = tmp_path / ".out.inkling-partial"
+    assert staging.is_dir() and any(p.suffix == ".safetensors" for p in staging.iterdir())
+    code, text, err = cli(*job)  # one process resumes what two ranks left
+    assert code == 0, err
+    assert text.startswith("resumed and finished") and "the resume reused" in text
+    assert same_files(ref, out) == []
