@@ -138,15 +138,19 @@ def test_an_interrupted_single_shard_job_resumes_from_its_pieces(cli, tmp_path, 
 
 
 def test_a_rerun_that_reuses_nothing_does_not_claim_a_resume(cli, tmp_path, monkeypatch):
+    from inkling_ckpt.convert import requantize as rq
+
     args = ("--plan", "mxfp8", "-q", "--device", "cpu", "--workers", "1")
-    done = executor_mod.Executor.note_done
 
-    def interrupt_first(self, unit):
-        raise KeyboardInterrupt
+    def interrupted(*a, **k):
+        def run(unit):
+            raise KeyboardInterrupt  # before anything is written
+        return run
 
-    monkeypatch.setattr(executor_mod.Executor, "note_done", interrupt_first)
-    assert cli("quantize", TINY["bf16"], tmp_path / "out", *args)[0] == 130
-    monkeypatch.setattr(executor_mod.Executor, "note_done", done)
+    with monkeypatch.context() as mp:
+        mp.setattr(rq, "transform", interrupted)
+        assert cli("quantize", TINY["bf16"], tmp_path / "out", *args)[0] == 130
+    assert (tmp_path / ".out.inkling-partial").is_dir()  # kept for a resume, but it holds nothing
     code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "out", *args)
     assert code == 0 and out.startswith("wrote ") and "resum" not in out
 

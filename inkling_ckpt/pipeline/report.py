@@ -54,6 +54,9 @@ class Result:
             line += f"; {len(self.ranks)} ranks"
         if self.ranks:
             line += f"; {self.ranks[0]['device']}"
+            gpu = max(r.get("peak_gpu_bytes", 0) for r in self.ranks)
+            if gpu:
+                line += f", peak GPU memory {gb(gpu)}"
         return line + ")"
 
 

@@ -1,0 +1,317 @@
+"""Benchmark every rewriting command through the shared pipeline, beside a plain read + write.
+
+Two modes.
+
+``grid`` (default): on a generated ``wide`` checkpoint (real 2304 x 4608 experts; ``--layers 4``
+is ~4.2 GB BF16, 8 layers ~8.4 GB), each command in ``--commands`` for each ``--devices`` x
+``--ranks`` combination, each in its own process (``torchrun`` via ``python -m
+torch.distributed.run`` for ranks > 1), from a settled page cache:
+
+* ``plain``: a plain read + write of the input's shard files (before and after; the faster counts);
+* ``quantize``     BF16 -> mixed (the release's NVFP4 / MXFP8 split);
+* ``hf-to-megatron`` mixed -> torch_dist;   ``megatron-to-hf`` torch_dist -> mixed (``--reference``);
+* ``dequantize``   mixed -> BF16;            ``hf-to-hf`` mixed -> all MXFP8.
+
+Per step: seconds, MB/s (bytes read + written per second, 1 MB = 10^6 B; "plain" counts its
+read and its write alike), share of plain, peak RSS (largest process), peak GPU memory (from
+the command's closing line), and whether the output's bytes equal the first combination's
+(``--no-check-bytes`` skips the hashing).
+
+``full-layer``: one full-size layer (``make-fixture --size wide --layers 1 --experts 384``,
+~24 GB BF16) through quantize -> hf-to-megatron -> megatron-to-hf -> dequantize on one device,
+time and peak memory per step, intermediates deleted as soon as the next step has read them
+(peak disk ~3 x 24 GB), and the release's time extrapolated (x 48 layers: every layer is
+treated as this NVFP4 one; the embeddings are not in the fixture).
+
+``--save-rates`` records each command's MB/s per device (and ranks) in
+``~/.cache/inkling-ckpt/rates.json``; ``--dry-run`` of the commands turns job bytes into time with it.
+
+Examples:
+
+    python bench/pipeline.py --layers 2 --devices cpu --ranks 1            # a short run (~2 GB)
+    python bench/pipeline.py --layers 8 --devices cpu cuda --ranks 1 2 --save-rates --json out.json
+    python bench/pipeline.py --mode full-layer --devices cuda --work /scratch/bench
+    python bench/pipeline.py --code /path/to/other/checkout --legacy       # the same steps with older code
+
+Disk (grid): the input fixtures (BF16 + mixed) plus one step's output at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import convert as bc  # noqa: E402  (bench/convert.py: make_wide, plain, settle, figures)
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("quantize", "hf-to-megatron", "megatron-to-hf", "dequantize", "hf-to-hf")
+GPU_LINE = re.compile(r"peak GPU memory ([0-9.]+) (GB|MB|kB)")
+
+
+def _code_env(code: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(code) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
+    """Run one step from a settled page cache, in a wrapper process: wall seconds, peak RSS of the
+    largest process of the step (the wrapper's ``RUSAGE_CHILDREN``: torchrun's ranks included),
+    peak GPU memory (from the command's closing line) and that line."""
+    wrapper = [sys.executable, "-c",
+               "import json, resource, subprocess, sys, time\n"
+               "t0 = time.perf_counter()\n"
+               "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE)\n"
+               "out, err = p.communicate()\n"
+               "ru = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+               "sys.stdout.write(out.decode()); sys.stderr.write(err.decode())\n"
+               "print('BENCH ' + json.dumps({'rc': p.returncode, 'rss': ru.ru_maxrss * 1024, 'wall': time.perf_counter() - t0}))\n"
+               "sys.exit(p.returncode)\n", *cmd]
+    bc.settle(*inputs)
+    p = subprocess.run(wrapper, env=_code_env(code), capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    info = json.loads(p.stdout.rsplit("BENCH ", 1)[1])
+    gpu = 0
+    m = GPU_LINE.search(p.stdout)
+    if m:
+        gpu = int(float(m.group(1)) * {"GB": 1e9, "MB": 1e6, "kB": 1e3}[m.group(2)])
+    first = next((ln for ln in p.stdout.splitlines() if ln.startswith(("wrote", "resumed"))), "")
+    return {"seconds": info["wall"], "peak_rss": info["rss"], "peak_gpu": gpu, "line": first}
+
+
+def folder_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.name.startswith("."))
+
+
+def tree_digest(p: Path) -> str:
+    """sha256 over every file (relative name + contents), files hashed in parallel."""
+    files = sorted(f for f in p.rglob("*") if f.is_file())
+
+    def one(f: Path) -> str:
+        h = hashlib.sha256()
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(16 << 20):
+                h.update(chunk)
+        return f"{f.relative_to(p)} {h.hexdigest()}"
+
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        lines = list(pool.map(one, files))
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def cli(ranks: int) -> list[str]:
+    if ranks <= 1:
+        return [sys.executable, "-m", "inkling_ckpt"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+            "-m", "inkling_ckpt"]
+
+
+def flags(device: str, args: argparse.Namespace) -> list[str]:
+    if args.legacy:
+        return ["-q"]
+    out = ["-q", "--device", device]
+    if args.slice_mb:
+        out += ["--slice-mb", str(args.slice_mb)]
+    if args.workers:
+        out += ["--workers", str(args.workers)]
+    return out
+
+
+def mixed_plan(layers: int) -> str:
+    sys.path.insert(0, str(ROOT))
+    from inkling_ckpt.model.presets import preset_plan
+
+    return preset_plan("wide", "mixed", layers)
+
+
+def step_args(command: str, src: dict[str, Path], out: Path, layers: int, shard: str) -> tuple[list[str], list[Path]]:
+    """The command line (after ``inkling_ckpt``) of one step, and the folders it reads."""
+    if command == "quantize":
+        return ["quantize", str(src["bf16"]), str(out), "--plan", mixed_plan(layers), "--max-shard-size", shard], [src["bf16"]]
+    if command == "hf-to-megatron":
+        return ["convert", "hf-to-megatron", str(src["mixed"]), str(out)], [src["mixed"]]
+    if command == "megatron-to-hf":
+        return (["convert", "megatron-to-hf", str(src["mg"]), str(out), "--reference", str(src["mixed"]),
+                 "--max-shard-size", shard], [src["mg"], src["mixed"]])
+    if command == "dequantize":
+        return ["dequantize", str(src["mixed"]), str(out), "--max-shard-size", shard], [src["mixed"]]
+    if command == "hf-to-hf":
+        return ["convert", "hf-to-hf", str(src["mixed"]), str(out), "--plan", "mxfp8", "--max-shard-size", shard], [src["mixed"]]
+    raise SystemExit(f"unknown command {command}")
+
+
+def input_bytes(folders: list[Path]) -> int:
+    return sum(folder_bytes(f) for f in folders)
+
+
+def plain_fig(src: Path, work: Path) -> dict:
+    wall, _, rss = bc.plain_measured(src, work)
+    n = bc.shard_bytes(src)
+    return {"seconds": wall, "bytes": 2 * n, "mb_s": 2 * n / wall / 1e6, "peak_rss": rss}
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except Exception:  # noqa: BLE001 - a description only
+        return "unknown"
+
+
+def grid(args: argparse.Namespace) -> dict:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    code = Path(args.code).resolve()
+    tag = f"wide-{args.layers}L" + (f"-{args.experts}e" if args.experts else "")
+    extra = ["--experts", str(args.experts)] if args.experts else []
+    src = {"bf16": work / f"{tag}-bf16", "mixed": work / f"{tag}-mixed", "mg": work / f"{tag}-mg"}
+    bc.make_wide(src["bf16"], "bf16", args.layers, *extra)
+    bc.make_wide(src["mixed"], "mixed", args.layers, *extra)
+    if "megatron-to-hf" in args.commands and "hf-to-megatron" not in args.commands and not src["mg"].exists():
+        subprocess.run(cli(1) + ["convert", "hf-to-megatron", str(src["mixed"]), str(src["mg"]), "-q"],
+                       check=True, env=_code_env(code))
+    res: dict = {"mode": "grid", "layers": args.layers, "experts": args.experts, "cores": os.cpu_count(),
+                 "gpu": gpu_name(), "fixture_bytes": {k: folder_bytes(v) for k, v in src.items() if v.exists()},
+                 "steps": []}
+    before = plain_fig(src["bf16"], work)
+    print(f"plain read + write of {res['fixture_bytes']['bf16'] / 1e9:.2f} GB: {before['seconds']:.1f} s = "
+          f"{before['mb_s']:.0f} MB/s (read + write)", flush=True)
+    digests: dict[str, str] = {}
+    for device in args.devices:
+        for ranks in args.ranks:
+            for command in args.commands:
+                out = work / f"out-{command}"
+                cmd_args, inputs = step_args(command, src, out, args.layers, args.max_shard_size)
+                if command == "hf-to-megatron":
+                    out = src["mg"]
+                    cmd_args[3] = str(out)
+                for p in (out, out.parent / f".{out.name}.inkling-partial"):
+                    shutil.rmtree(p, ignore_errors=True)
+                for p in out.parent.glob(f".{out.name}.inkling-done.json"):
+                    p.unlink()
+                m = measured(cli(ranks) + cmd_args + flags(device, args), code, *inputs)
+                nread, nwritten = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]]), folder_bytes(out)
+                m.update({"command": command, "device": device, "ranks": ranks, "bytes_read": nread,
+                          "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
+                m["share_of_plain"] = m["mb_s"] / before["mb_s"]
+                if args.check_bytes:
+                    d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
+                    m["same_bytes_as_first"] = digests.setdefault(command, d) == d
+                res["steps"].append(m)
+                print(f"  {command:15s} {device:4s} x{ranks}: {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
+                      f"{m['share_of_plain']:4.0%} of plain  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
+                      f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
+                      + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}"),
+                      flush=True)
+                if command != "hf-to-megatron":
+                    shutil.rmtree(out, ignore_errors=True)
+    after = plain_fig(src["bf16"], work)
+    res["plain"] = max(before, after, key=lambda f: f["mb_s"])
+    res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
+    for m in res["steps"]:
+        m["share_of_plain"] = m["mb_s"] / res["plain"]["mb_s"]
+    if not args.keep:
+        for p in src.values():
+            shutil.rmtree(p, ignore_errors=True)
+    return res
+
+
+def full_layer(args: argparse.Namespace) -> dict:
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    code = Path(args.code).resolve()
+    device = args.devices[0]
+    experts = args.experts or 384
+    bf16 = work / f"layer-{experts}e-bf16"
+    bc.make_wide(bf16, "bf16", 1, "--experts", str(experts))
+    res: dict = {"mode": "full-layer", "experts": experts, "device": device, "cores": os.cpu_count(),
+                 "gpu": gpu_name(), "fixture_bytes": folder_bytes(bf16), "steps": []}
+    res["plain"] = plain_fig(bf16, work)
+    print(f"plain read + write of {res['fixture_bytes'] / 1e9:.1f} GB: {res['plain']['mb_s']:.0f} MB/s", flush=True)
+    q, mg, back, deq = work / "layer-q", work / "layer-mg", work / "layer-back", work / "layer-deq"
+    shard = args.max_shard_size
+    plan = [("quantize", ["quantize", str(bf16), str(q), "--plan", "nvfp4", "--max-shard-size", shard], [bf16], q),
+            ("hf-to-megatron", ["convert", "hf-to-megatron", str(q), str(mg)], [q], mg),
+            ("megatron-to-hf", ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(q),
+                                "--max-shard-size", shard], [mg], back),
+            ("dequantize", ["dequantize", str(back), str(deq), "--max-shard-size", shard], [back], deq)]
+    for i, (name, cmd_args, inputs, out) in enumerate(plan):
+        m = measured(cli(1) + cmd_args + flags(device, args), code, *inputs)
+        nread, nwritten = input_bytes(inputs), folder_bytes(out)
+        m.update({"command": name, "bytes_read": nread, "bytes_written": nwritten,
+                  "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
+        m["share_of_plain"] = m["mb_s"] / res["plain"]["mb_s"]
+        res["steps"].append(m)
+        print(f"  {name:15s} {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  {m['share_of_plain']:4.0%} of plain  "
+              f"peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB", flush=True)
+        # Free the disk: an input no later step reads goes now (the GPU machine has 64 GB).
+        later = {p for _, _, ins, _ in plan[i + 1:] for p in ins}
+        for p in inputs:
+            if p not in later and (p != bf16 or not args.keep):
+                shutil.rmtree(p, ignore_errors=True)
+    shutil.rmtree(deq, ignore_errors=True)
+    total = sum(m["seconds"] for m in res["steps"])
+    res["layer_seconds"] = total
+    res["release_seconds_extrapolated"] = total * 48
+    print(f"one layer, four steps: {total:.0f} s; the release (48 layers) extrapolated: "
+          f"{total * 48 / 60:.0f} min", flush=True)
+    return res
+
+
+def save(res: dict, args: argparse.Namespace) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+    if args.save_rates and res["mode"] == "grid":
+        sys.path.insert(0, str(ROOT))
+        from inkling_ckpt.pipeline.estimate import rate_key, save_rates
+
+        rates: dict[str, dict[str, float]] = {}
+        for m in res["steps"]:
+            rates.setdefault(m["command"], {})[rate_key(m["device"], m["ranks"])] = m["mb_s"]
+        path = save_rates(rates, res["plain"]["mb_s"], f"{res['cores']} cores, {res['gpu']}")
+        print(f"rates saved to {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=("grid", "full-layer"), default="grid",
+                    help="grid: every command x device x ranks on a wide fixture; full-layer: one 384-expert layer "
+                         "through the four steps, release time extrapolated")
+    ap.add_argument("--work", default="bench-work", help="folder for fixtures and outputs (default ./bench-work)")
+    ap.add_argument("--layers", type=int, default=4, help="grid: layers of the wide fixture (4 ~ 4.2 GB BF16, 8 ~ 8.4 GB)")
+    ap.add_argument("--experts", type=int, default=0, help="experts per layer (grid: the wide default; full-layer: 384)")
+    ap.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS), help="grid: commands to run")
+    ap.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=["cpu"],
+                    help="--device values to run (full-layer: the first)")
+    ap.add_argument("--ranks", nargs="+", type=int, default=[1], help="grid: ranks (torchrun --nproc_per_node)")
+    ap.add_argument("--slice-mb", type=int, default=0, help="pass --slice-mb (0: the commands' default)")
+    ap.add_argument("--workers", type=int, default=0, help="pass --workers (0: the commands' default)")
+    ap.add_argument("--max-shard-size", default="2GB", help="output shard size of the HF-writing steps")
+    ap.add_argument("--no-check-bytes", dest="check_bytes", action="store_false",
+                    help="grid: skip hashing each output to compare it with the first combination's")
+    ap.add_argument("--save-rates", action="store_true",
+                    help="record the measured MB/s per command and device for --dry-run estimates")
+    ap.add_argument("--code", default=str(ROOT), help="checkout whose inkling_ckpt runs the steps (default: this one)")
+    ap.add_argument("--legacy", action="store_true", help="the checkout predates --device/--slice-mb/--workers: pass none")
+    ap.add_argument("--keep", action="store_true", help="keep the generated fixtures for the next run")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args()
+    res = grid(args) if args.mode == "grid" else full_layer(args)
+    save(res, args)
+
+
+if __name__ == "__main__":
+    main()
