@@ -148,7 +148,7 @@ def _stream(src: TensorSource, writer: HFWriter, specs: list[TensorSpec], plan: 
             writer.write(spec.name, src.get(spec.name))
             advance(spec.nbytes)
     for layer in range(src.cfg.num_hidden_layers):
-        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer)):
+        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer), strict=True):
             write_stack(writer, out_stack, advance, lambda a, b, o=out_stack, i=in_stack: _slice(src, encoder, o, i, a, b))
 
 

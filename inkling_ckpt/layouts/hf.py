@@ -15,6 +15,7 @@ import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -321,7 +322,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
     if end > data_len:
         raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
     ranges.sort()
-    for (a1, b1, n1), (a2, b2, n2) in zip(ranges, ranges[1:]):
+    for (a1, b1, n1), (a2, b2, n2) in pairwise(ranges):
         if a2 < b1:  # two tensors sharing bytes: writing one would change the other
             raise CheckpointError(f"{path}: data_offsets of {n1} [{a1}, {b1}) and {n2} [{a2}, {b2}) overlap")
     return out

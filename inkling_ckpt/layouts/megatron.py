@@ -706,7 +706,7 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     boxes = []
     for off, size in st.chunks:
         if len(off) != len(st.shape) or len(size) != len(st.shape) \
-                or any(o < 0 or z <= 0 or o + z > g for o, z, g in zip(off, size, st.shape)):
+                or any(o < 0 or z <= 0 or o + z > g for o, z, g in zip(off, size, st.shape, strict=True)):
             raise CheckpointError(f"{where}: a chunk of {st.key} at {list(off)} size {list(size)} lies outside {list(st.shape)}")
         v = 1
         for z in size:
@@ -724,7 +724,7 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     for off, size in boxes:
         active = [b for b in active if b[0][0] + b[1][0] > off[0]]
         for o2, z2 in active:
-            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2)):
+            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2, strict=True)):
                 raise CheckpointError(f"{where}: chunks of {st.key} at {list(o2)} and {list(off)} overlap")
         active.append((off, size))
 
@@ -896,7 +896,8 @@ class TorchDistCheckpoint:
         key = st.key
         off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
         size = tuple(sizes) if sizes is not None else st.shape
-        if len(off) != len(st.shape) or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape)):
+        if len(off) != len(st.shape) or len(size) != len(st.shape) \
+                or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape, strict=True)):
             raise CheckpointError(f"{key}: region {off}+{size} is outside {list(st.shape)}")
         for c_off, c_size in st.chunks:
             if tuple(c_off) == off and tuple(c_size) == size:
@@ -904,16 +905,16 @@ class TorchDistCheckpoint:
         out = torch.empty(size, dtype=st.dtype)
         covered = 0
         for c_off, c_size in st.chunks:
-            lo = [max(a, b) for a, b in zip(off, c_off)]
-            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
+            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
+            if any(y <= x for x, y in zip(lo, hi, strict=True)):
                 continue
             chunk = self._cached_chunk(key, c_off)
-            src = chunk[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, c_off))]
-            out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, off))] = src
+            src = chunk[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, c_off, strict=True))]
+            out[tuple(slice(x - a, y - a) for x, y, a in zip(lo, hi, off, strict=True))] = src
             n = 1
-            for l, h in zip(lo, hi):
-                n *= h - l
+            for x, y in zip(lo, hi, strict=True):
+                n *= y - x
             covered += n
         total = 1
         for s in size:

@@ -402,7 +402,7 @@ def entry_cuts(t: dict[str, Any]) -> tuple[tuple[Cut, ...], tuple[tuple[int, ...
     inner = t.get("inner")
     if inner is not None:
         cuts.append(Cut(inner["dim"], inner["pieces"]))
-        holders = [None if h is None else h + (i,) for h, i in zip(holders, inner["holders"])]
+        holders = [None if h is None else h + (i,) for h, i in zip(holders, inner["holders"], strict=True)]
     return tuple(cuts), tuple(holders)
 
 
@@ -515,8 +515,10 @@ class ShardedCheckpoint:
             if a >= b:
                 continue
 
-            def assemble(k: int, piece: dict[int, int]) -> torch.Tensor:
+            def assemble(k: int, piece: dict[int, int], rp: int | None = rp, a: int = a, b: int = b,
+                         lo: int = lo) -> torch.Tensor:
                 # The last cut varies fastest: concatenate its pieces, then the enclosing cut's.
+                # (This iteration's row piece and range bound as defaults: no late binding.)
                 if k == len(inner):
                     key = tuple(rp if i == row_cut else piece[i] for i in range(len(cuts)))
                     return self._local_rows(holders.index(key), name, a - lo, b - lo)
@@ -653,8 +655,8 @@ def _check_inner(man: dict[str, Any], where: Path) -> None:
                   and len(holders) == tp and t["dim"] is not None and 0 <= dim < len(shape) and dim != t["dim"]
                   and shape[dim] % pieces == 0
                   and all((h is None) == (o is None) and (h is None or (type(h) is int and 0 <= h < pieces))
-                          for h, o in zip(holders, t["holders"]))
-                  and {(o, h) for o, h in zip(t["holders"], holders) if o is not None}
+                          for h, o in zip(holders, t["holders"], strict=True))
+                  and {(o, h) for o, h in zip(t["holders"], holders, strict=True) if o is not None}
                   == {(o, h) for o in range(t["pieces"]) for h in range(pieces)})
         except (KeyError, TypeError):
             ok = False

@@ -277,7 +277,7 @@ class LoraExport:
         else:  # pragma: no cover - excluded rows never get here
             raise AdapterError(f"{src}: no rule")
         out = []
-        for (n, _), t in zip(names, tensors):
+        for (n, _), t in zip(names, tensors, strict=True):
             out.append((n, t if t.device.type == "meta" else t.detach().contiguous()))
         return AdapterGroup(out, src, sources=list(p.sources))
 

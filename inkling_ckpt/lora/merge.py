@@ -26,7 +26,7 @@ import torch
 
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
-from ..errors import AdapterError, CheckpointError, OutputError
+from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
@@ -155,7 +155,7 @@ def plan_units(base: _Base, adapter: Adapter, schema: Schema = SCHEMA) -> list[_
 
 def _check_shapes(u: _Unit, base: _Base, adapter: Adapter, r: int) -> None:
     shp = {k: adapter.tensors[n].shape for k, n in u.factors.items()}
-    for k, n in u.factors.items():
+    for n in u.factors.values():
         if adapter.tensors[n].dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise AdapterError(f"{n}: dtype {adapter.tensors[n].dtype} is not a float factor")
     rule = u.target.rule
@@ -515,11 +515,11 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 for f in files:
                     st.finish(f)
                 res.files += len(files)
+            shards = set(b.files)
             for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
                 if p.name.startswith(".") or p.name in b.files:
                     continue
                 if p.is_dir():  # (shards in a subfolder were written above: not copied over)
-                    shards = set(b.files)
                     shutil.copytree(p, st.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
                         n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
                 elif p.is_file():

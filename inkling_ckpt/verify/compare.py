@@ -217,7 +217,7 @@ def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Load
         if spec.part is None and spec.name not in only_a:
             yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: _dense(a, b, n))
     for layer in range(cfg.num_hidden_layers):
-        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer)):
+        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer), strict=True):
             nbytes = sum(p.nbytes for p in sa.parts())
             yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, lambda sa=sa, sb=sb: _experts(a, b, sa, sb))
 
@@ -411,7 +411,7 @@ def plot_report(rep: dict[str, Any], path: str | Path) -> int:
             series.setdefault(row["format"], []).append((row["layer"], row["sqnr_db"]))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for fmt, pts in sorted(series.items()):
-        xs, ys = zip(*sorted(pts))
+        xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=fmt)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("decoder layer")

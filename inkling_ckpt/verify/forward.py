@@ -691,7 +691,7 @@ def compare_forward(
         with ByteProgress(total, desc="verify --forward", enabled=progress) as bar:
             st_a = st_b = None
             logits_a = logits_b = None
-            for ua, ub in zip(sa.units, sb.units):
+            for ua, ub in zip(sa.units, sb.units, strict=True):
                 out_a = sa.run_unit(ua, st_a, input_ids)
                 bar.advance(sa.unit_bytes(ua))
                 out_b = sb.run_unit(ub, st_b, input_ids)
