@@ -262,7 +262,8 @@ class _UnitWriter(FileSystemWriter):
         done = _read_sidecar(sidecar, name, items)
         if done is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
             self.units_resumed += 1
-            self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO))  # type: ignore[union-attr]
+            chunks = [planner.item_of(wi) for wi in items if wi.type != WriteItemType.BYTE_IO]
+            self._on_written(sum(c.nbytes for c in chunks if isinstance(c, ChunkItem)))
             return done
         partial = root / (name + ".partial")
         results: list[WriteResult] = []
@@ -278,7 +279,7 @@ class _UnitWriter(FileSystemWriter):
                     hw.write(data.getbuffer())
                 else:
                     try:
-                        torch.save(data, hw)
+                        torch.save(data, hw)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
                     except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
                         if isinstance(e.__context__, OSError):
                             raise e.__context__ from None
@@ -414,7 +415,7 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
     return writer.units_resumed
 
 
-def _first_cause(e: Exception) -> BaseException:
+def _first_cause(e: BaseException) -> BaseException:
     """The first failing rank's own exception (DCP wraps every rank's failure in one).
 
     Bad input (InklingError), I/O errors and interrupts come back as they were, so the
@@ -473,7 +474,7 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "object"): object,
-        ("copyreg", "_reconstructor"): copyreg._reconstructor,
+        ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]  # private: not in typeshed
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): fs._StorageInfo,
     }
     for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
@@ -650,7 +651,7 @@ def _common_safe_globals() -> list[Any]:
 def _safe_load(data: io.IOBase | Path, what: str) -> Any:
     try:
         with torch.serialization.safe_globals(_common_safe_globals()):
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(data, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # any readable, seekable file; torch annotates IO[bytes]
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
@@ -842,7 +843,7 @@ class TorchDistCheckpoint:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
                 self._verify(path, info, key)
-                t = _safe_load(_Slice(f, info.offset, info.length), what)  # type: ignore[arg-type]
+                t = _safe_load(_Slice(f, info.offset, info.length), what)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if not isinstance(t, torch.Tensor):
@@ -883,9 +884,9 @@ class TorchDistCheckpoint:
         """
         if key in self._views:
             stored, layer = self._views[key]
-            st = self.keys[key]
-            off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
-            size = tuple(sizes) if sizes is not None else st.shape
+            shape = self.keys[key].shape
+            off = tuple(offsets) if offsets is not None else (0,) * len(shape)
+            size = tuple(sizes) if sizes is not None else shape
             return self._read_stored(self._stacked[stored], (layer, *off), (1, *size))[0]
         st = self.keys.get(key)
         if st is None:
