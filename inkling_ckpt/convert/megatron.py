@@ -80,7 +80,7 @@ def plan_megatron(m: MegatronMapping) -> tuple[list[ChunkItem], list[ObjectItem]
 def source_mapping(src: TensorSource, preset: str | Preset = DEFAULT_PRESET) -> MegatronMapping:
     """The mapping of a release source (its own non-expert dtypes), checked against its tensors."""
     m = MegatronMapping(src.cfg, preset, dtypes=src.dtypes())
-    m.check_hf(src.tensors, str(getattr(src, "root", "source")))  # type: ignore[attr-defined]
+    m.check_hf(src.tensors, str(getattr(src, "root", "source")))
     return m
 
 
@@ -120,7 +120,7 @@ def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT
         "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
         "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
         "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
-        "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),  # type: ignore[attr-defined]
+        "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),
         "units": {u: {"bytes": n, "rank": owner[u]} for u, n in sizes.items()},
     }
 

@@ -16,8 +16,9 @@ import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, BinaryIO, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -171,7 +172,7 @@ class HFCheckpoint:
         try:
             with open(path, "rb", buffering=0) as f:
                 f.seek(st.offset + start * row)
-                got = f.readinto(memoryview(buf.numpy()))
+                got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
         if got != count:
@@ -322,7 +323,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
     if end > data_len:
         raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
     ranges.sort()
-    for (a1, b1, n1), (a2, b2, n2) in zip(ranges, ranges[1:]):
+    for (a1, b1, n1), (a2, b2, n2) in pairwise(ranges):
         if a2 < b1:  # two tensors sharing bytes: writing one would change the other
             raise CheckpointError(f"{path}: data_offsets of {n1} [{a1}, {b1}) and {n2} [{a2}, {b2}) overlap")
     return out
@@ -371,9 +372,19 @@ class _Shard:
         self.header, self.offsets = _st_header(self.entries)
         self.size = len(self.header) + sum(b - a for a, b in self.offsets.values())
         self.remaining = set(names)
-        self.fh: Any = None
+        self.fh: BinaryIO | None = None
         self.journal: list[str] = []  # pieces written since the last checkpoint ("name start stop")
         self.reused_bytes = 0  # bytes an interrupted run had written (finished shard or journaled pieces)
+
+
+class StagingFolder(Protocol):
+    """Where :class:`HFWriter` puts its files: a :class:`Staging` folder or a rank's sub-folder of one."""
+
+    @property
+    def path(self) -> Path: ...
+    def is_finished(self, rel: str) -> bool: ...
+    def partial(self, rel: str) -> Path: ...
+    def finish(self, rel: str) -> None: ...
 
 
 #: A resumed job keeps the pieces of an unfinished shard that were on disk at the last checkpoint;
@@ -394,7 +405,7 @@ class HFWriter:
     :meth:`needed` / :meth:`piece_needed` say what still has to be produced.
     """
 
-    def __init__(self, staging: Any, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    def __init__(self, staging: StagingFolder, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
                  *, rank: int = 0, ranks: int = 1):
         self.staging = staging
         self.specs = {s.name: s for s in specs}
@@ -496,7 +507,7 @@ class HFWriter:
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
         fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        fh.write(memoryview(data))
+        fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         self._since_checkpoint += data.nbytes
         shard.journal.append(f"{name} {start} {start + rows}")
         self._done_rows(shard, name, start, rows)
