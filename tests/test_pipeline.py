@@ -219,3 +219,18 @@ def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path)
     assert code == 0, err
     assert text.startswith("resumed and finished") and "the resume reused" in text
     assert same_files(ref, out) == []
+
+
+def test_a_gpu_out_of_memory_is_one_line_naming_the_slice_option_and_publishes_nothing(cli, tmp_path, monkeypatch):
+    from inkling_ckpt.convert import requantize as rq
+
+    def out_of_memory(*a, **k):
+        def run(unit):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return run
+
+    monkeypatch.setattr(rq, "transform", out_of_memory)
+    code, out, err = cli("quantize", TINY["bf16"], tmp_path / "q", "--plan", "mxfp8", "-q", "--device", "cpu")
+    assert code != 0
+    assert err.strip().count("\n") == 0 and "out of memory" in err and "--slice-mb" in err
+    assert not (tmp_path / "q").exists() and not (tmp_path / ".q.inkling-partial").exists()

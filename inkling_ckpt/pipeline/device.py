@@ -57,7 +57,7 @@ def oom_as_error(option: str = "--slice-mb") -> Iterator[None]:
     """Turn a GPU out-of-memory into one :class:`DeviceError` line naming the option that shrinks the slice."""
     try:
         yield
-    except torch.OutOfMemoryError:
+    except torch.cuda.OutOfMemoryError:
         raise DeviceError(f"the GPU ran out of memory; pass a smaller {option} (or --workers 1), or --device cpu") from None
 
 
