@@ -209,6 +209,7 @@ def grid(args: argparse.Namespace) -> dict:
                 if args.check_bytes:
                     d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
                     m["same_bytes_as_first"] = digests.setdefault(command, d) == d
+                    m["digest"] = d  # compare across runs (another checkout, another machine)
                 res["steps"].append(m)
                 print(f"  {command:15s} {device:4s} x{ranks}: {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
                       f"{m['share_of_plain']:4.0%} of plain  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "

@@ -234,3 +234,18 @@ def test_a_gpu_out_of_memory_is_one_line_naming_the_slice_option_and_publishes_n
     assert code != 0
     assert err.strip().count("\n") == 0 and "out of memory" in err and "--slice-mb" in err
     assert not (tmp_path / "q").exists() and not (tmp_path / ".q.inkling-partial").exists()
+
+
+def test_dry_run_estimates_time_from_the_rates_this_machine_measured(cli, tmp_path, monkeypatch):
+    from inkling_ckpt.pipeline.estimate import save_rates
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu")
+    est = json.loads(out)["estimate"]
+    assert code == 0 and est["seconds"] is None and "no measured rate" in est["estimate"]
+    save_rates({"hf-to-megatron": {"cpu": 2.0}}, 100.0, "test box")  # 2 MB/s
+    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu")
+    est = json.loads(out)["estimate"]
+    assert est["seconds"] == pytest.approx((est["bytes_read"] + est["bytes_written"]) / 2e6, abs=0.1)
+    assert "2 MB/s measured here" in est["estimate"]
+    assert not (tmp_path / "m").exists()

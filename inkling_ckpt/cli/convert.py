@@ -96,7 +96,8 @@ def hf_to_megatron_cmd(
     if not dry_run:
         check_dst(dst, [src])
     if dry_run:
-        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=launched_ranks())
+        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=launched_ranks(),
+                                       device=device)
         if _rank() == 0:
             typer.echo(json.dumps(info, indent=2))
         return
@@ -141,7 +142,8 @@ def megatron_to_hf_cmd(
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
     if dry_run:
         if _rank() == 0:
-            typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset)), indent=2))
+            typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset),
+                                                          ranks=launched_ranks(), device=device), indent=2))
         return
     opts = run_options(device, slice_mb, workers, quiet)
     with torchrun():

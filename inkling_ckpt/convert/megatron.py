@@ -44,8 +44,8 @@ from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PRE
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
 from ..pipeline import (
-    Executor, Options, Result, Stage, Unit, World, assign, current_world, dense_units, run_staged, stack_units,
-    to_host, write_hf,
+    Executor, Options, Result, Stage, Unit, World, assign, current_world, dense_units, device_kind, estimate,
+    run_staged, stack_units, to_host, write_hf,
 )
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
 from .requantize import TensorSource, read_dense
@@ -112,11 +112,15 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
     return produce
 
 
-def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1) -> dict[str, Any]:
-    """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
+def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1,
+                            device: str = "auto") -> dict[str, Any]:
+    """What ``hf-to-megatron`` would write, after validating the source (no output is touched),
+    and how long it should take here (``estimate``: the bytes at this machine's measured rate)."""
     m, chunks, objects, _, sizes = _validated_plan(src, preset)
     owner = assign(sizes, ranks)
+    read = sum(_unit_read_bytes(src, m).values())
     return {
+        "estimate": estimate("hf-to-megatron", read, sum(c.nbytes for c in chunks), device_kind(device), ranks),
         "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
         "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
         "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
@@ -218,11 +222,14 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
 
 
 def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                            preset: str | Preset = DEFAULT_PRESET) -> dict[str, Any]:
-    """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
+                            preset: str | Preset = DEFAULT_PRESET, ranks: int = 1, device: str = "auto") -> dict[str, Any]:
+    """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference,
+    and how long it should take here (``estimate``)."""
     reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
     skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
     return {
+        "estimate": estimate("megatron-to-hf", reader.data_bytes(), sum(s.nbytes for s in specs), device_kind(device),
+                             ranks),
         "source": str(reader.folder), "preset": m.preset.name, "tensors_read": len(m.keys()),
         "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "plan": str(plan),
         "output_tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),

@@ -20,7 +20,9 @@ from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
-from ..pipeline import DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, dense_units, stack_units, to_host, write_hf
+from ..pipeline import (
+    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, dense_units, device_kind, estimate, stack_units, to_host, write_hf,
+)
 from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
 
@@ -92,6 +94,20 @@ def requantize(
     return result
 
 
+def describe_requantize(src: TensorSource, plan: PrecisionPlan, *, command: str = "quantize", device: str = "auto",
+                        ranks: int = 1, slice_bytes: int = SLICE_BYTES) -> dict[str, Any]:
+    """What ``quantize`` / ``dequantize`` / ``hf-to-hf`` would read and write (from headers), and the
+    time at this machine's measured rate (``estimate``) — for a ``--dry-run``."""
+    if len(plan) != src.cfg.num_hidden_layers:
+        raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {src.cfg.num_hidden_layers}")
+    specs = inventory(src.cfg, plan, dtypes=src.dtypes(), vision=src.vision_specs())
+    units = plan_units(src, specs, plan, slice_bytes)
+    read, written = sum(u.read_bytes for u in units), sum(s.nbytes for s in specs)
+    return {"plan": str(plan), "tensors": len(specs), "units": len(units), "bytes_read": read, "bytes_written": written,
+            "layers": {fmt: sum(1 for i in range(len(plan)) if plan.format_of(i) == fmt) for fmt in plan.used_formats()},
+            "estimate": estimate(command, read, written, device_kind(device), ranks)}
+
+
 def plan_units(src: TensorSource, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
     """The job's units in output order: each layer's dense tensors, then its experts slice by slice."""
     layers = src.cfg.num_hidden_layers
@@ -150,4 +166,4 @@ def _whole(src: Any, name: str, stop: int) -> bool:
     return shape is None or not shape or shape[0] == stop
 
 
-__all__ = ["requantize", "plan_units", "transform", "read_dense", "expert_slices", "Result", "TensorSource"]
+__all__ = ["requantize", "describe_requantize", "plan_units", "transform", "read_dense", "expert_slices", "Result", "TensorSource"]

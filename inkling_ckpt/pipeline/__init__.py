@@ -21,7 +21,8 @@ the bytes never depend on the schedule), the progress bar (bytes and "layer k of
 per-rank stats behind the closing line and ``--json``'s ``"ranks"`` (:class:`Result`).
 """
 
-from .device import DEVICES, oom_as_error, resolve_device
+from .device import DEVICES, device_kind, oom_as_error, resolve_device
+from .estimate import estimate
 from .executor import DEFAULT_SLICE_BYTES, Executor, Options, RankStats, Unit, cores, to_host
 from .hf_out import piece_bytes, write_hf
 from .publish import Outcome, Stage, run_staged
@@ -31,7 +32,7 @@ from .world import World, all_ok, assign, broadcast, current_world, gather, laun
 
 __all__ = [
     "DEVICES", "DEFAULT_SLICE_BYTES", "Executor", "Options", "Outcome", "RankStats", "Result", "Stage", "Unit", "World",
-    "all_ok", "assign", "broadcast", "cores", "current_world", "dense_units", "expert_slices", "gather", "gb",
+    "all_ok", "assign", "device_kind", "estimate", "broadcast", "cores", "current_world", "dense_units", "expert_slices", "gather", "gb",
     "launched_ranks", "oom_as_error", "piece_bytes", "resolve_device", "run_staged", "stack_units", "to_host",
     "torchrun", "where_of", "write_hf",
 ]

@@ -39,6 +39,14 @@ def resolve_device(spec: str = "auto") -> torch.device:
     raise DeviceError(f"--device {spec!r}: not a device; choose one of {', '.join(DEVICES)}")
 
 
+def device_kind(spec: str = "auto") -> str:
+    """``cpu`` or ``cuda``: what ``spec`` would run on (for estimates; checks nothing)."""
+    name = (spec or "auto").strip().lower()
+    if name == "auto":
+        return "cuda" if _cuda_usable() else "cpu"
+    return "cuda" if name.startswith("cuda") else "cpu"
+
+
 def _cuda_usable() -> bool:
     try:
         return torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -68,4 +76,4 @@ def peak_gpu_bytes(device: torch.device) -> int:
     return int(torch.cuda.max_memory_allocated(device))
 
 
-__all__ = ["DEVICES", "resolve_device", "oom_as_error", "peak_gpu_bytes"]
+__all__ = ["DEVICES", "device_kind", "resolve_device", "oom_as_error", "peak_gpu_bytes"]
