@@ -16,7 +16,7 @@ import typer
 
 from .. import __version__
 from ..errors import InklingError
-from .options import verbosity
+from .options import setup, verbosity
 
 app = typer.Typer(
     name="inkling-ckpt",
@@ -59,16 +59,28 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     _register()
+    setup(0)  # each run starts quiet (in-process callers run several)
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, standalone_mode=False)
     except InklingError as e:
         if verbosity() >= 2:
             traceback.print_exc()
         print(f"inkling-ckpt: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # a usage error: unknown option, bad choice, missing argument
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group (`inkling-ckpt convert`): its help
+            e.show()  # type: ignore[attr-defined]
+        else:
+            message = " ".join(e.format_message().replace("Value error, ", "").split())  # type: ignore[attr-defined]
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            print(f"inkling-ckpt: error: {message.rstrip('.')}{where}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except (KeyboardInterrupt, typer.Abort):
         print("inkling-ckpt: interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":
