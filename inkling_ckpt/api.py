@@ -18,6 +18,7 @@ Failures raise :class:`~inkling_ckpt.errors.InklingError` subclasses.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+log = logging.getLogger(__name__)  # the CLI's -v shows these at INFO
 
 
 def schema(name: str) -> str:
@@ -48,6 +50,7 @@ def _status(result: Any) -> str:
 
 def _job(command: str, result: Any, source: Any, **extra: Any) -> dict[str, Any]:
     """The report of a finished (or skipped) writing job."""
+    log.info("%s: %s", command, _status(result))
     return {"schema": schema(command), "command": command, "source": _src(source),
             "output": str(getattr(result, "dst", None) or getattr(result, "out")), "status": _status(result), **extra}
 
@@ -63,6 +66,7 @@ def _src(source: Any) -> Any:
 
 def _dry(command: str, source: Any, output: str | Path | None, **info: Any) -> dict[str, Any]:
     """The report of a dry run: what would be written, from a validated input; nothing is created."""
+    log.info("%s: input validated; dry run, nothing written", command)
     return {"schema": schema(f"{command}-dry-run"), "command": command, "source": _src(source),
             "output": None if output is None else str(output), "status": "dry-run",
             "output_exists": output is not None and Path(output).exists(), **info}
@@ -98,6 +102,7 @@ def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionP
     ckpt = src if hasattr(src, "cfg") else HFCheckpoint.open(src)
     ref = HFCheckpoint.open(reference) if isinstance(reference, (str, Path)) else reference
     p = _plan(plan, ckpt.cfg.num_hidden_layers)
+    log.info("%s: %s (%s) -> %s (%s), scales %s", command, ckpt.root, ckpt.plan, dst, p, scales)
     if scales == "keep" and check_keep_in is not None:
         _check_keep(p, ref if ref is not None else ckpt, check_keep_in if ref is None else str(reference))
     size = parse_size(max_shard_size)
@@ -170,6 +175,7 @@ def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "m
 
     check_dst(dst, [src])
     ckpt = HFCheckpoint.open(src)
+    log.info("hf-to-megatron: %s (%s) -> %s, preset %s", ckpt.root, ckpt.plan, dst, preset)
     if dry_run:
         info = describe_hf_to_megatron(ckpt, preset=get_preset(preset), ranks=int(os.environ.get("WORLD_SIZE", "1")))
         info.pop("source", None)
@@ -198,6 +204,8 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
     check_dst(dst, [src, reference])
     ref = HFCheckpoint.open(reference)
     p = _plan(plan, ref.cfg.num_hidden_layers) if plan is not None else None
+    log.info("megatron-to-hf: %s -> %s, reference %s, plan %s, scales %s, preset %s", src, dst, ref.root,
+             p or ref.plan, scales, preset)
     notes = []
     if scales == "keep":
         target = p or ref.plan

@@ -227,6 +227,9 @@ def test_version_completion_verbose(cli):
     for path, fn in _commands():
         opts = {d for _, _, info in _params(fn) for d in (info.param_decls or ())}
         assert {"-v", "--verbose", "--json"} <= opts, path
+    code, out, err = cli("quantize", TINY["bf16"], "/tmp/never-written", "--plan", "mxfp8", "--dry-run", "-v")
+    assert code == 0 and "inkling-ckpt: quantize: " in err and "-> /tmp/never-written (0-3:mxfp8)" in err, err
+    assert cli("quantize", TINY["bf16"], "/tmp/never-written", "--plan", "mxfp8", "--dry-run")[2] == ""
     code, out, err = cli("inspect", "/no/such/folder", "-vv")
     assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("inkling-ckpt: error:")
 

@@ -121,7 +121,7 @@ def test_inspect_sharded_is_its_source(cli, made):
     hf = _json(cli, "inspect", TINY["mixed"])
     assert got["layout"] == "sharded" and hf["layout"] == "hf"
     assert {k: got["storage"][k] for k in ("tp", "ep", "ranks")} == {"tp": 2, "ep": 2, "ranks": 2}
-    for key in ("variant", "plan", "model", "tensors", "parameters", "bytes", "bytes_by_category", "bytes_by_dtype",
+    for key in ("variant", "precision_plan", "model", "tensors", "parameters", "bytes", "bytes_by_category", "bytes_by_dtype",
                 "formats", "layers"):
         assert got[key] == hf[key], key
 

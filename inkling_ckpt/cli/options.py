@@ -92,6 +92,18 @@ PLAN_HELP = "Per-layer expert formats: FIRST-LAST:FORMAT rules (0-39:nvfp4,40-47
 _state = {"verbose": 0}
 
 
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a redirected stream)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def setup(verbose: int = 0) -> None:
     """Route the library's log to stderr at the level ``-v`` asks for (warnings only by default)."""
     _state["verbose"] = verbose
@@ -99,7 +111,8 @@ def setup(verbose: int = 0) -> None:
     log = logging.getLogger("inkling_ckpt")
     log.setLevel(level)
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        log.propagate = False  # one line per message, whatever the root logger does
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("inkling-ckpt: %(message)s"))
         log.addHandler(handler)
 
