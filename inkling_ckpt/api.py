@@ -52,7 +52,7 @@ def _job(command: str, result: Any, source: Any, **extra: Any) -> dict[str, Any]
     """The report of a finished (or skipped) writing job."""
     log.info("%s: %s", command, _status(result))
     return {"schema": schema(command), "command": command, "source": _src(source),
-            "output": str(getattr(result, "dst", None) or getattr(result, "out")), "status": _status(result), **extra}
+            "output": str(result.dst if hasattr(result, "dst") else result.out), "status": _status(result), **extra}
 
 
 def _src(source: Any) -> Any:

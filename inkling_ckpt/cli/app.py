@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
         if type(e).__name__ == "NoArgsIsHelpError":  # a bare group (`inkling-ckpt convert`): its help
             e.show()  # type: ignore[attr-defined]
         else:
-            message = " ".join(e.format_message().replace("Value error, ", "").split())  # type: ignore[attr-defined]
+            message = " ".join(e.format_message().replace("Value error, ", "").split())
             ctx = getattr(e, "ctx", None)
             where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
             print(f"inkling-ckpt: error: {message.rstrip('.')}{where}", file=sys.stderr)

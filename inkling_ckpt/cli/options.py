@@ -92,10 +92,10 @@ PLAN_HELP = "Per-layer expert formats: FIRST-LAST:FORMAT rules (0-39:nvfp4,40-47
 _state = {"verbose": 0}
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _Stderr(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at the time (a test's capture, a redirected stream)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

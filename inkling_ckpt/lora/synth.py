@@ -38,6 +38,8 @@ def trainer_shapes(dims: ModelDims, rank: int) -> dict[str, tuple[int, ...]]:
 def _factors(t: Target, d: Mapping[str, int], r: int, layer: int | None) -> dict[str, tuple[int, ...]]:
     prefix = t.trainer.format(layer=layer) if layer is not None else t.trainer
     rule = t.rule
+    a: tuple[int, ...]
+    b: tuple[int, ...]
     if isinstance(rule, Linear):
         rows = d["V"] if rule.trim_out else d[rule.out]  # the trainer's B covers the padded vocabulary
         a, b = (r, d[rule.inp]), (rows, r)
