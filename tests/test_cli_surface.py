@@ -393,3 +393,16 @@ def test_hub_revision_and_token_reach_the_fetch(cli, monkeypatch, tmp_path):
     code, _, err = cli("inspect", "org/model@abc123", "--revision", "v1")
     assert code == 2 and "names revision 'abc123' but --revision says 'v1'" in err
     assert os.environ["HF_TOKEN"] == "hf_env"
+
+
+def test_shell_completion_completes_commands_and_choices():
+    """The completion hook `--install-completion` installs answers (bash protocol), without torch."""
+    probe = ("import sys\nsys.argv = ['inkling-ckpt']\nfrom inkling_ckpt.cli.app import main\n"
+             "try:\n    main()\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)\n")
+    for words, cword, want in (("inkling-ckpt conv", 1, "convert"),
+                               ("inkling-ckpt convert hf-to-hf --scales ", 4, "fresh\nkeep")):
+        env = {**subprocess_env(), "_INKLING_CKPT_COMPLETE": "complete_bash", "COMP_WORDS": words,
+               "COMP_CWORD": str(cword)}
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+        assert r.stdout.startswith(want), (words, r.stdout, r.stderr)
+        assert r.stdout.strip().splitlines()[-1] == "TORCH False", r.stdout
