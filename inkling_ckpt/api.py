@@ -449,7 +449,7 @@ def lora_export(src: str | Path, dst: str | Path, *, config: str | Path, alpha: 
         alpha = int(alpha)
     res = export_adapter(src, dst, config=config, alpha=alpha, cast=cast, target_modules=target_modules,
                          force=force, progress=progress, dry_run=dry_run)
-    info = {"tensors": res.tensors, "bytes": res.bytes, "rank": res.rank, "alpha": res.alpha,
+    info = {"tensors": res.tensors, "bytes": res.bytes, "r": res.rank, "lora_alpha": res.alpha,
             "ignored_tensors": res.ignored}
     if dry_run:
         return _dry("lora-export", src, dst, **info)

@@ -97,6 +97,11 @@ def test_every_report_has_a_schema_and_one_name_per_thing(cli, inputs, tmp_path)
         # a plan is a precision_plan or a parallel_plan; an input is a source (never path/plan)
         assert not keys(rep) & {"plan", "path", "source_plan"}, f"{name}: {sorted(keys(rep) & {'plan', 'path'})}"
     assert len(schemas) == len(runs) - 1  # make-fixture and make-fixture --lora share a schema
+    # a LoRA rank and alpha have the adapter_config names in every report (export, inspect, the dump)
+    rank_keys = [set(json.loads(cli(*args, "--json")[1])) & {"r", "lora_alpha", "rank", "alpha"} for args in
+                 (["lora", "inspect", inputs["adapter"]], ["make-fixture", tmp_path / "d", "--lora", "--dry-run"],
+                  ["lora", "export", inputs["dump"], tmp_path / "a", "--config", TINY["bf16"], "--dry-run"])]
+    assert rank_keys == [{"r", "lora_alpha"}] * 3
     assert json.loads(cli("inspect", TINY["mixed"], "--json")[1])["precision_plan"] == "0-1:nvfp4,2-3:mxfp8"
     assert json.loads(cli("memory", TINY["mixed"], "--tp", "2", "--ep", "2", "--json")[1])["parallel_plan"] == \
         {"tp": 2, "ep": 2, "moe_tp": 1}

@@ -59,7 +59,7 @@ def make_fixture(
 
         rep_line = "already holds this dump; nothing to do" if rep["status"] == "skipped" else "wrote"
         typer.echo(f"{rep_line} {out}/{rep['file']}: LoRA trainer dump, {rep['tensors']} tensors, "
-                   f"{fmt_bytes(rep['bytes'])}, r={rep['rank']}, alpha={rep['alpha']}")
+                   f"{fmt_bytes(rep['bytes'])}, r={rep['r']}, alpha={rep['lora_alpha']}")
         return
     report(rep, as_json)
 

@@ -60,8 +60,8 @@ def _render_export(rep: dict[str, Any]) -> str:
         return render_job(rep)
     how = {"dry-run": "would write", "resumed": "resumed and finished", "written": "wrote"}[rep["status"]]
     ignored = rep["ignored_tensors"]
-    return (f"{how} {rep['output']}: {rep['tensors']} tensors, {fmt_bytes(rep['bytes'])}, r={rep['rank']}, "
-            f"alpha={rep['alpha']}"
+    return (f"{how} {rep['output']}: {rep['tensors']} tensors, {fmt_bytes(rep['bytes'])}, r={rep['r']}, "
+            f"alpha={rep['lora_alpha']}"
             + (f"; {'would ignore' if rep['status'] == 'dry-run' else 'ignored'} {ignored} non-adapter tensors"
                if ignored else "")
             + ("; dry run, nothing written" if rep["status"] == "dry-run" else ""))

@@ -76,7 +76,7 @@ def write_trainer_dump(config: Mapping[str, Any], dst: str | Path, *, rank: int 
     check_dst(dst, [])
     shapes = trainer_shapes(ModelDims.from_config(config), rank)
     nbytes = sum(2 * _numel(s) for s in shapes.values())
-    info: dict[str, Any] = {"tensors": len(shapes), "bytes": nbytes, "rank": rank, "alpha": alpha,
+    info: dict[str, Any] = {"tensors": len(shapes), "bytes": nbytes, "r": rank, "lora_alpha": alpha,
                             "file": DUMP_FILE}
     if dry_run:
         return info
