@@ -4,7 +4,7 @@ Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after
 
 JOBS.json: a list of argument lists, run in order through the CLI. ``--die-after K``: rank 1
 exits hard (``os._exit``) after writing K units, as a crashed rank would. Rank 0 prints each
-job's exit code and, for the last job, the library's result as JSON (``"ranks"`` included).
+job's exit code and, for every job, its report as JSON (``"ranks"`` included).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ def _capture_results() -> list:
     seen: list = []
     report = cli_checkpoint.report
 
-    def capture(result, what):  # type: ignore[no-untyped-def]
-        seen.append(result)
-        report(result, what)
+    def capture(rep, as_json):  # type: ignore[no-untyped-def]
+        seen.append(rep)
+        report(rep, as_json)
 
     cli_checkpoint.report = capture
     import inkling_ckpt.cli.convert as cli_convert
@@ -65,5 +65,5 @@ if __name__ == "__main__":
         if code:
             sys.exit(code)
     if rank == 0 and results:
-        print("RESULT " + json.dumps([r.as_dict() for r in results]), flush=True)
+        print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()

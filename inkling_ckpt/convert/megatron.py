@@ -121,7 +121,7 @@ def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT
     read = sum(_unit_read_bytes(src, m).values())
     return {
         "estimate": estimate("hf-to-megatron", read, sum(c.nbytes for c in chunks), device_kind(device), ranks),
-        "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
+        "source": str(getattr(src, "root", "source")), "source_precision_plan": str(src.plan), "preset": m.preset.name,
         "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
         "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
         "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),
@@ -231,7 +231,7 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
         "estimate": estimate("megatron-to-hf", reader.data_bytes(), sum(s.nbytes for s in specs), device_kind(device),
                              ranks),
         "source": str(reader.folder), "preset": m.preset.name, "tensors_read": len(m.keys()),
-        "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "plan": str(plan),
+        "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "precision_plan": str(plan),
         "output_tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),
         "vision_tensors_from_reference": sum(1 for s in specs if is_vision(s.name)),
     }
