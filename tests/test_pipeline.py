@@ -240,11 +240,11 @@ def test_dry_run_estimates_time_from_the_rates_this_machine_measured(cli, tmp_pa
     from inkling_ckpt.pipeline.estimate import save_rates
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu")
+    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu", "--json")
     est = json.loads(out)["estimate"]
     assert code == 0 and est["seconds"] is None and "no measured rate" in est["estimate"]
     save_rates({"hf-to-megatron": {"cpu": 2.0}}, 100.0, "test box")  # 2 MB/s
-    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu")
+    code, out, _ = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "m", "--dry-run", "--device", "cpu", "--json")
     est = json.loads(out)["estimate"]
     assert est["seconds"] == pytest.approx((est["bytes_read"] + est["bytes_written"]) / 2e6, abs=0.1)
     assert "2 MB/s measured here" in est["estimate"]

@@ -144,6 +144,8 @@ def render_job(rep: dict[str, Any]) -> str:
         for key in ("source_precision_plan", "precision_plan", "scales", "preset"):
             if rep.get(key) is not None:
                 lines.append(f"  {key.replace('_', ' ')}: {rep[key]}")
+        if isinstance(rep.get("estimate"), dict):
+            lines.append(f"  estimate: {rep['estimate']['estimate']}")
         if rep.get("output_exists"):
             lines.append(f"  {rep['output']} exists: a run resumes or skips it, or refuses without --force")
     elif rep["status"] == "skipped":
