@@ -154,8 +154,12 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
 
 @triton.jit
 def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, N,
-                        NB: tl.constexpr, OUT_KIND: tl.constexpr):
-    """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16)."""
+                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr = False):
+    """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16).
+
+    FACTOR_LAST: out = (e2m1(nibble) * f32(scale)) * s2 instead, the order of the stacked release
+    experts (transformers' Inkling2LoopDequantizeExperts; s2 = amax / denominator): the first
+    product is exact, the second one rounding, so the two orders differ in the last bit at times."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = N // 16
@@ -164,13 +168,17 @@ def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, N,
     gbase = g.to(tl.int64) * N
     s2 = tl.load(s2_ptr + g)
     sbyte = tl.load(sc_ptr + (gbase // 16) + blk, mask=bmask, other=0).to(tl.int32)
-    eff = tl.load(e4m3_ptr + sbyte) * s2
+    sval = tl.load(e4m3_ptr + sbyte)
     woffs = (gbase // 2) + blk[:, None] * 8 + tl.arange(0, 8)[None, :]
     byte = tl.load(w_ptr + woffs, mask=bmask[:, None], other=0).to(tl.int32)
     lo = tl.load(e2m1_ptr + (byte & 0xF))
     hi = tl.load(e2m1_ptr + (byte >> 4))
     vals = tl.reshape(tl.join(lo, hi), [NB, 16])
-    out = vals * eff[:, None]
+    if FACTOR_LAST:
+        out = (vals * sval[:, None]) * s2
+    else:
+        eff = sval * s2
+        out = vals * eff[:, None]
     _store_out(out_ptr, gbase + blk[:, None] * 16 + tl.arange(0, 16)[None, :], out, bmask[:, None], OUT_KIND)
 
 
