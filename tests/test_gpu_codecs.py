@@ -478,7 +478,8 @@ def test_stacked_non_contiguous_and_sliced(name, opts, monkeypatch):
     dec = decode_stacked(name, want, torch.bfloat16, device=DEV, budget_bytes=1)
     assert dec.device.type == "cpu" and _same_values(dec, ref)
     # strided weight and scales on the device (each a view into a wider tensor)
-    strided = {k: (torch.cat([v, v], -1)[..., :v.shape[-1]] if v.dim() == 3 else v).to(DEV) for k, v in want.items()}
+    wide = {k: v.to(DEV) for k, v in want.items()}
+    strided = {k: (torch.cat([v, v], -1)[..., :v.shape[-1]] if v.dim() == 3 else v) for k, v in wide.items()}
     assert not strided["_scale"].is_contiguous()
     assert _same_values(decode_stacked(name, strided, torch.bfloat16), ref)
 

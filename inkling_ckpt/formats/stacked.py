@@ -28,14 +28,30 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, NonFiniteError
-from ._base import (FLOAT_INPUTS, block_amax_bits, check_out_dtype, nonfinite_error, raise_nonfinite, require_parts,
-                    row_chunks)
-from .encodings import E4M3, decode_table
 from . import gpu as _gpu
-from .nvfp4 import (BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _block_amax_all,
-                    _pair_table, nvfp4_global_scale)
+from ._base import (
+    FLOAT_INPUTS,
+    block_amax_bits,
+    check_out_dtype,
+    nonfinite_error,
+    raise_nonfinite,
+    require_parts,
+    row_chunks,
+)
+from .encodings import E4M3, decode_table
+from .mxfp8 import BLOCK as MXFP8_BLOCK
+from .mxfp8 import MXFP8Format
+from .nvfp4 import BLOCK as NVFP4_BLOCK
+from .nvfp4 import (
+    E2M1_MAX,
+    E4M3_MAX,
+    MIN_GLOBAL_AMAX,
+    NVFP4Format,
+    _block_amax_all,
+    _pair_table,
+    nvfp4_global_scale,
+)
 from .nvfp4 import _amax as _nvfp4_amax
-from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 
 #: 6 × 448: the release's ``outer_scale_denominator`` (amax / 2688 = ModelOpt's weight_scale_2).
 NVFP4_DENOMINATOR = E2M1_MAX * E4M3_MAX
@@ -204,7 +220,8 @@ def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
                 parts[k][e0:e1] = t
     if fname == "nvfp4":
         parts[AMAX] = parts[AMAX].contiguous()
-        parts[DENOM] = torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
+        # a fill, not a copy from the host: a host-to-device copy would wait for the kernels above
+        parts[DENOM] = torch.full((), NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
     parts = {k: parts[k] for k in spec}  # on-disk order
     return parts, torch.stack(flags).any()
 
@@ -253,8 +270,8 @@ def _encode_sliced(codec: object, fname: str, w: torch.Tensor, amax: torch.Tenso
                    allow_nonfinite: bool, dev: torch.device, budget: int) -> dict[str, torch.Tensor]:
     """Experts in slices computed on ``dev``, parts gathered on ``w``'s device (see encode_stacked)."""
     e, r, c = w.shape
-    if amax is not None:
-        amax = _check_amax(amax, e, name, allow_nonfinite=False)
+    if amax is not None:  # checked and moved once (a blocking copy inside the loop would stall the overlap)
+        amax = _check_amax(amax, e, name, allow_nonfinite=False).to(dev)
     spec = stacked_parts(fname, w.shape)
     if fname == "mxfp8":
         spec[WEIGHT] = (spec[WEIGHT][0], codec.elem_dtype)  # type: ignore[attr-defined]
@@ -264,7 +281,7 @@ def _encode_sliced(codec: object, fname: str, w: torch.Tensor, amax: torch.Tenso
     relay = _Relay(w.device, dev)
     for e0, e1 in _expert_slices(e, per_expert, budget):
         x = relay.up(w[e0:e1])
-        a = None if amax is None else amax[e0:e1].to(dev)
+        a = None if amax is None else amax[e0:e1]
         if _gpu.wants(x):
             parts, bad = _encode_kernels(codec, fname, x, a)
         else:  # the reference code; non-finite input is refused below, for the whole tensor
@@ -490,11 +507,12 @@ def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, factor: torch.
     per_expert = _nbytes(w.shape[1:], w.dtype) + _nbytes(sc.shape[1:], sc.dtype) + _nbytes((r, cols), dtype)
     flags: list[torch.Tensor] = []
     relay = _Relay(w.device, dev)
+    factor = None if factor is None else factor.to(dev)
     for e0, e1 in _expert_slices(e, per_expert, budget):
         wd, sd = relay.up(w[e0:e1]), relay.up(sc[e0:e1])
         if not allow_nonfinite:
             flags.append(_bad_scales_flag(fname, sd))
-        f = None if factor is None else factor[e0:e1].to(dev)
+        f = None if factor is None else factor[e0:e1]
         relay.down([(_decode_values(wd, sd, f, dtype), out[e0:e1])])
     relay.finish()
     if flags and bool(torch.stack(flags).any()):  # one synchronization, after the last slice
@@ -607,6 +625,17 @@ class _Relay:
 
 
 __all__ = [
-    "NVFP4_DENOMINATOR", "STACKED_FORMATS", "WEIGHT", "SCALE", "AMAX", "DENOM", "DEVICE_BUDGET_BYTES",
-    "stacked_parts", "format_of_parts", "interleave", "deinterleave", "encode_stacked", "decode_stacked",
+    "AMAX",
+    "DENOM",
+    "DEVICE_BUDGET_BYTES",
+    "NVFP4_DENOMINATOR",
+    "SCALE",
+    "STACKED_FORMATS",
+    "WEIGHT",
+    "decode_stacked",
+    "deinterleave",
+    "encode_stacked",
+    "format_of_parts",
+    "interleave",
+    "stacked_parts",
 ]
