@@ -169,15 +169,14 @@ def _encode_whole(codec: object, fname: str, w: torch.Tensor, amax: torch.Tensor
                   allow_nonfinite: bool) -> dict[str, torch.Tensor]:
     if not (_gpu.wants(w) and w.numel()):
         return _encode_reference(codec, fname, w, amax, name, allow_nonfinite)
-    checks = []
-    if amax is not None:
-        if amax.device == w.device and amax.is_cuda:
-            checks.append(_bad_amax(amax).any())  # checked with the encode's flags, one synchronization
-        else:
-            amax = _check_amax(amax, w.shape[0], name, allow_nonfinite=False).to(w.device, non_blocking=True)
+    device_amax = amax is not None and amax.device == w.device
+    if amax is not None and not device_amax:
+        amax = _check_amax(amax, w.shape[0], name, allow_nonfinite=False).to(w.device, non_blocking=True)
     parts, bad = _encode_kernels(codec, fname, w, amax)
-    if not allow_nonfinite:
-        checks.append(bad)
+    # checks queued behind the kernels: the host waits once, for all of it
+    checks = [bad] if not allow_nonfinite else []
+    if device_amax and amax is not None:
+        checks.append(_bad_amax(amax).any())
     if checks and bool(torch.stack(checks).any()):  # the one host synchronization of the call
         _raise_encode_error(fname, w, amax, name)
     return parts
@@ -207,8 +206,9 @@ def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
             else:
                 a = amax[e0:e1]
             # the reference's zero-expert policy: an amax below 2^-126 is encoded (and stored) as 1.0
-            used = torch.where(a < MIN_GLOBAL_AMAX, torch.ones_like(a), a)
-            q, sc, bad = ops.nvfp4_encode(x, ops.nvfp4_global_scales(used))
+            used = torch.where(a < MIN_GLOBAL_AMAX, 1.0, a)
+            # f32(amax) / 2688 as nvfp4_global_scale, a tensor divisor (IEEE division on CUDA too)
+            q, sc, bad = ops.nvfp4_encode(x, used / _denominator(w.device))
             got.append({WEIGHT: q.view(n, r, c // 2), SCALE: sc.view(n, r, c // NVFP4_BLOCK), AMAX: used})
         flags.append(bad[0] > 0)
     if len(got) == 1:
@@ -295,6 +295,17 @@ def _encode_sliced(codec: object, fname: str, w: torch.Tensor, amax: torch.Tenso
     if fname == "nvfp4":
         out[DENOM] = torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
     return {k: out[k] for k in spec}
+
+
+_DENOMINATORS: dict[torch.device, torch.Tensor] = {}
+
+
+def _denominator(device: torch.device) -> torch.Tensor:
+    """NVFP4_DENOMINATOR as a one-element float32 tensor on ``device`` (cached: no copy per call)."""
+    t = _DENOMINATORS.get(device)
+    if t is None:
+        t = _DENOMINATORS[device] = torch.full((1,), NVFP4_DENOMINATOR, dtype=torch.float32, device=device)
+    return t
 
 
 def _check_amax_layout(amax: object, experts: int, name: str) -> None:
@@ -391,15 +402,16 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
         if factor is not None and not allow_nonfinite:
             _check_factor(factor, name)  # [E] only, before any slice
         return _decode_sliced(fname, w, sc, factor, dtype, name, allow_nonfinite, dev, _budget(budget_bytes))
+    # Decoded first, checked after: on a device the kernels flag bad scale bytes as they read them and
+    # the factor check queues behind them, so the one host synchronization waits for the decode alone.
+    out, bad_scales = _decode_values(w, sc, factor, dtype, check=not allow_nonfinite)
     if not allow_nonfinite:
-        flags = [_bad_scales_flag(fname, sc)]
-        if factor is not None:
-            flags.append(_bad_factor(factor).any())
+        flags = [bad_scales] if factor is None else [bad_scales, _bad_factor(factor).any()]
         if bool(torch.stack(flags).any()):  # the one host synchronization of the call
             if factor is not None:
                 _check_factor(factor, name)
             _check_scales(fname, sc, name)
-    return _decode_values(w, sc, factor, dtype)
+    return out
 
 
 def _nvfp4_factor(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor, name: str) -> torch.Tensor:
@@ -455,26 +467,32 @@ def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
                          "pass --allow-nonfinite to decode it anyway")
 
 
-def _decode_values(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """Decoded [E, R, C] on w's device from checked parts: NVFP4 with its per-expert ``factor``
-    (amax / denominator), MXFP8 where ``factor`` is None. The kernels where they apply, else the reference."""
+def _decode_values(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype, *,
+                   check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded [E, R, C] on w's device, 0-d bool: some scale byte is one no quantizer writes, when
+    ``check``) for NVFP4 with its per-expert ``factor`` (amax / denominator), or MXFP8 where
+    ``factor`` is None. The kernels where they apply (no host synchronization), else the reference."""
     e, r, cw = w.shape
     cols = cw if factor is None else cw * 2
+    fname = "mxfp8" if factor is None else "nvfp4"
+    no = torch.zeros((), dtype=torch.bool, device=w.device)
     if not (_gpu.wants_decode(w, dtype) and w.numel()):
+        bad = _bad_scales_flag(fname, sc) if check else no
         if factor is None:
-            return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype)
-        return _decode_nvfp4_reference(w, sc, factor, dtype)
+            return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype), bad
+        return _decode_nvfp4_reference(w, sc, factor, dtype), bad
     ops = _gpu._load()
     out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=w.device) if check else None
     for e0, e1 in _contiguous_slices(w, sc):
         n = e1 - e0
         wq, s = w[e0:e1].contiguous().view(n, -1), sc[e0:e1].contiguous().view(n, -1)
         o = out[e0:e1].view(n, r * cols)
         if factor is None:
-            ops.mxfp8_decode(wq, s, "e4m3", dtype, out=o)
+            ops.mxfp8_decode(wq, s, "e4m3", dtype, out=o, bad=flag)
         else:
-            ops.nvfp4_decode(wq, s, factor[e0:e1], dtype, factor_last=True, out=o)
-    return out
+            ops.nvfp4_decode(wq, s, factor[e0:e1], dtype, factor_last=True, out=o, bad=flag)
+    return out, (no if flag is None else flag[0] > 0)
 
 
 def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -510,10 +528,9 @@ def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, factor: torch.
     factor = None if factor is None else factor.to(dev)
     for e0, e1 in _expert_slices(e, per_expert, budget):
         wd, sd = relay.up(w[e0:e1]), relay.up(sc[e0:e1])
-        if not allow_nonfinite:
-            flags.append(_bad_scales_flag(fname, sd))
-        f = None if factor is None else factor[e0:e1]
-        relay.down([(_decode_values(wd, sd, f, dtype), out[e0:e1])])
+        values, bad = _decode_values(wd, sd, None if factor is None else factor[e0:e1], dtype, check=not allow_nonfinite)
+        flags.append(bad)
+        relay.down([(values, out[e0:e1])])
     relay.finish()
     if flags and bool(torch.stack(flags).any()):  # one synchronization, after the last slice
         _check_scales(fname, sc, name)
