@@ -154,7 +154,7 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
         raise FormatError(f"{fname}: {name}: cannot quantize dtype {w.dtype}; expected one of "
                           f"{', '.join(str(d) for d in FLOAT_INPUTS)}")
     stacked_parts(fname, w.shape)  # positive shape, width a multiple of the block
-    codec = fmt if not isinstance(fmt, str) else (MXFP8Format() if fname == "mxfp8" else NVFP4Format())
+    codec: Any = fmt if not isinstance(fmt, str) else (MXFP8Format() if fname == "mxfp8" else NVFP4Format())
     if fname == "nvfp4" and amax is not None:
         _check_amax_layout(amax, w.shape[0], name)
     else:
@@ -165,7 +165,7 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
     return _encode_sliced(codec, fname, w, amax, name, allow_nonfinite, dev, _budget(budget_bytes))
 
 
-def _encode_whole(codec: object, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+def _encode_whole(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
                   allow_nonfinite: bool) -> dict[str, torch.Tensor]:
     if not (_gpu.wants(w) and w.numel()):
         return _encode_reference(codec, fname, w, amax, name, allow_nonfinite)
@@ -182,7 +182,7 @@ def _encode_whole(codec: object, fname: str, w: torch.Tensor, amax: torch.Tensor
     return parts
 
 
-def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
+def _encode_kernels(codec: Any, fname: str, w: torch.Tensor,
                     amax: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Parts of ``w`` (on a kernel device) through the batched kernels, one expert per group, and a
     0-d bool device tensor: some element is NaN/Inf (encoded as NaN blocks). No host synchronization.
@@ -197,7 +197,7 @@ def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
         n = e1 - e0
         x = w[e0:e1].contiguous().view(n, r * c)
         if fname == "mxfp8":
-            q, sc, bad = ops.mxfp8_encode(x, codec.scale_mode, codec.element)  # type: ignore[attr-defined]
+            q, sc, bad = ops.mxfp8_encode(x, codec.scale_mode, codec.element)
             got.append({WEIGHT: q.view(n, r, c), SCALE: sc.view(n, r, c // MXFP8_BLOCK)})
         else:
             if amax is None:
@@ -215,7 +215,7 @@ def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
         parts = got[0]
     else:  # a non-contiguous input, encoded in slices: gather them (outputs only, a fraction of the input)
         parts = {k: torch.empty((e, *t.shape[1:]), dtype=t.dtype, device=w.device) for k, t in got[0].items()}
-        for (e0, e1), g in zip(slices, got):
+        for (e0, e1), g in zip(slices, got, strict=True):
             for k, t in g.items():
                 parts[k][e0:e1] = t
     if fname == "nvfp4":
@@ -226,11 +226,11 @@ def _encode_kernels(codec: object, fname: str, w: torch.Tensor,
     return parts, torch.stack(flags).any()
 
 
-def _encode_reference(codec: object, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+def _encode_reference(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
                       allow_nonfinite: bool) -> dict[str, torch.Tensor]:
     """The reference codec's torch code, expert by expert (any device)."""
     if fname == "mxfp8":
-        p = codec.encode(w, name=name, allow_nonfinite=allow_nonfinite)  # type: ignore[attr-defined]
+        p = codec.encode(w, name=name, allow_nonfinite=allow_nonfinite)
         return {WEIGHT: p["weight"], SCALE: p["weight_scale"]}
     e = w.shape[0]
     if amax is not None:
@@ -248,7 +248,7 @@ def _encode_reference(codec: object, fname: str, w: torch.Tensor, amax: torch.Te
             bam = _block_amax_all(x2)
             ga = bam.amax()
             if bool(torch.isfinite(ga)) and float(ga) >= MIN_GLOBAL_AMAX:
-                wi, si = codec._encode_2d(x2, nvfp4_global_scale(ga), f"{name}[expert {i}]", allow_nonfinite, bam)  # type: ignore[attr-defined]
+                wi, si = codec._encode_2d(x2, nvfp4_global_scale(ga), f"{name}[expert {i}]", allow_nonfinite, bam)
                 weight[i], scale[i], used[i] = wi, si, ga
                 continue
         # The expert's amax (kept, or its own max |x|); below 2^-126 the codec uses 1.0, so store that.
@@ -258,7 +258,7 @@ def _encode_reference(codec: object, fname: str, w: torch.Tensor, amax: torch.Te
             ga = _nvfp4_amax(w[i].reshape(w.shape[1], -1), f"{name}[expert {i}]", allow_nonfinite)
         if bool(torch.isfinite(ga)) and float(ga) < MIN_GLOBAL_AMAX:
             ga = torch.ones((), dtype=torch.float32, device=w.device)
-        p = codec.encode(w[i], name=f"{name}[expert {i}]", global_amax=ga, allow_nonfinite=allow_nonfinite)  # type: ignore[attr-defined]
+        p = codec.encode(w[i], name=f"{name}[expert {i}]", global_amax=ga, allow_nonfinite=allow_nonfinite)
         weight[i] = p["weight"]
         scale[i] = p["weight_scale"]
         used[i] = ga
@@ -266,7 +266,7 @@ def _encode_reference(codec: object, fname: str, w: torch.Tensor, amax: torch.Te
             DENOM: torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)}
 
 
-def _encode_sliced(codec: object, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+def _encode_sliced(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
                    allow_nonfinite: bool, dev: torch.device, budget: int) -> dict[str, torch.Tensor]:
     """Experts in slices computed on ``dev``, parts gathered on ``w``'s device (see encode_stacked)."""
     e, r, c = w.shape
@@ -274,7 +274,7 @@ def _encode_sliced(codec: object, fname: str, w: torch.Tensor, amax: torch.Tenso
         amax = _check_amax(amax, e, name, allow_nonfinite=False).to(dev)
     spec = stacked_parts(fname, w.shape)
     if fname == "mxfp8":
-        spec[WEIGHT] = (spec[WEIGHT][0], codec.elem_dtype)  # type: ignore[attr-defined]
+        spec[WEIGHT] = (spec[WEIGHT][0], codec.elem_dtype)
     out = {k: torch.empty(shape, dtype=dt, device=w.device) for k, (shape, dt) in spec.items() if k != DENOM}
     per_expert = r * c * w.element_size() + sum(_nbytes(shape[1:], dt) for k, (shape, dt) in spec.items() if k != DENOM)
     flags: list[torch.Tensor] = []
