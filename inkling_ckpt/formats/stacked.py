@@ -29,28 +29,12 @@ import torch
 
 from ..errors import FormatError, NonFiniteError
 from . import gpu as _gpu
-from ._base import (
-    FLOAT_INPUTS,
-    block_amax_bits,
-    check_out_dtype,
-    nonfinite_error,
-    raise_nonfinite,
-    require_parts,
-    row_chunks,
-)
+from ._base import (FLOAT_INPUTS, block_amax_bits, check_out_dtype, nonfinite_error, raise_nonfinite, require_parts,
+                    row_chunks)
 from .encodings import E4M3, decode_table
-from .mxfp8 import BLOCK as MXFP8_BLOCK
-from .mxfp8 import MXFP8Format
-from .nvfp4 import BLOCK as NVFP4_BLOCK
-from .nvfp4 import (
-    E2M1_MAX,
-    E4M3_MAX,
-    MIN_GLOBAL_AMAX,
-    NVFP4Format,
-    _block_amax_all,
-    _pair_table,
-    nvfp4_global_scale,
-)
+from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
+from .nvfp4 import (BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _block_amax_all,
+                    _pair_table, nvfp4_global_scale)
 from .nvfp4 import _amax as _nvfp4_amax
 
 #: 6 × 448: the release's ``outer_scale_denominator`` (amax / 2688 = ModelOpt's weight_scale_2).
