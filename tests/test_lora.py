@@ -627,7 +627,7 @@ def test_sharded_base_merges_like_one_file_and_an_interrupted_run_resumes(work, 
     whole = read_all(merged_bf16)  # the one-file merge of the same adapter
 
     calls = {"n": 0}
-    real_finish = merge_mod.Staging.finish
+    real_finish = merge_mod.Stage.finish
 
     def flaky_finish(self, rel):  # the process dies after two shard files were published in staging
         calls["n"] += 1
@@ -636,10 +636,10 @@ def test_sharded_base_merges_like_one_file_and_an_interrupted_run_resumes(work, 
         return real_finish(self, rel)
 
     out = work / "merged-sharded"
-    monkeypatch.setattr(merge_mod.Staging, "finish", flaky_finish)
+    monkeypatch.setattr(merge_mod.Stage, "finish", flaky_finish)
     with pytest.raises(KeyboardInterrupt):
         merge(sharded, ad, out, progress=False)
-    monkeypatch.setattr(merge_mod.Staging, "finish", real_finish)
+    monkeypatch.setattr(merge_mod.Stage, "finish", real_finish)
     assert not out.exists()
     res = merge(sharded, ad, out, progress=False)
     assert res.resumed and res.files < len(shards)  # finished shards were kept, not redone

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from .app import app
-from .options import DRY_RUN, FORCE, JSON, QUIET, VERBOSE, emit, render_job, setup
+from .options import DEVICE, DRY_RUN, FORCE, JSON, QUIET, VERBOSE, WORKERS, emit, figures, joined, render_job, setup
 
 lora_app = typer.Typer(
     name="lora",
@@ -76,6 +76,8 @@ def merge_cmd(
                                                         "resumes)."),
     sqnr: bool = typer.Option(False, "--sqnr", help="Report each merged quantized expert tensor's SQNR vs its float "
                                                     "merge."),
+    device: str = DEVICE,
+    workers: int = WORKERS,
     dry_run: bool = DRY_RUN,
     as_json: bool = JSON,
     force: bool = FORCE,
@@ -84,11 +86,13 @@ def merge_cmd(
 ) -> None:
     """Write a release checkpoint with W + (alpha/r)·B·A for every adapted tensor.
 
-    Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. A few experts in memory at a time; a rerun resumes."""
+    Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. A few experts in memory at a time; a rerun resumes; under torchrun the ranks split BASE's shard files."""
     setup(verbose)
     from .. import api
 
-    rep = api.lora_merge(base, adapter, out, sqnr=sqnr, force=force, dry_run=dry_run, progress=not quiet)
+    with joined(dry_run):
+        rep = api.lora_merge(base, adapter, out, sqnr=sqnr, force=force, dry_run=dry_run, progress=not quiet,
+                             device=device, workers=workers)
     emit(rep, as_json, _render_merge)
 
 
@@ -109,7 +113,7 @@ def _render_merge(rep: dict[str, Any]) -> str:
     how = "resumed and finished" if rep["status"] == "resumed" else "wrote"
     lines = [f"{how} {rep['output']}: {len(rep['changed'])} tensors merged, {fmt_bytes(rep['bytes'])}"
              + (f", {rep['unchanged_experts']} experts with a zero delta kept as they were"
-                if rep["unchanged_experts"] else "")]
+                if rep["unchanged_experts"] else "") + figures(rep)]
     lines += [f"  {name}: SQNR {db:.2f} dB" for name, db in rep["sqnr_db"].items()]
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class TensorFile:
         self.path = path
         self.entries = read_header(path)  # name -> (shape, dtype, absolute offset), sizes checked
         self._fd: int | None = None
+        self._lock = threading.Lock()  # opened lazily, maybe by several reading threads at once
 
     def read(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor ``name``, or rows ``lo:hi`` of its first dimension."""
@@ -60,11 +62,12 @@ class TensorFile:
             lead = (hi - lo, *shape[1:])
         row = _nbytes(shape[1:], dtype) if shape else 0
         n = _nbytes(lead, dtype)
-        if self._fd is None:
-            try:
-                self._fd = os.open(self.path, os.O_RDONLY)
-            except OSError as e:
-                raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
+        with self._lock:
+            if self._fd is None:
+                try:
+                    self._fd = os.open(self.path, os.O_RDONLY)
+                except OSError as e:
+                    raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
         buf = bytearray(n)
         view, got, pos = memoryview(buf), 0, offset + lo * row
         while got < n:
@@ -247,6 +250,7 @@ class Adapter:
         self.tensors = tensors
         self.schema = schema
         self._h: TensorFile | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls, path: str | Path) -> "Adapter":
@@ -294,9 +298,10 @@ class Adapter:
             self._h = None
 
     def _file(self) -> TensorFile:
-        if self._h is None:
-            self._h = TensorFile(self.root / WEIGHTS_FILE)
-        return self._h
+        with self._lock:  # the merge's workers read factors from several threads
+            if self._h is None:
+                self._h = TensorFile(self.root / WEIGHTS_FILE)
+            return self._h
 
     def nbytes(self) -> int:
         return sum(_nbytes(t.shape, t.dtype) for t in self.tensors.values())

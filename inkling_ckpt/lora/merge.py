@@ -7,17 +7,21 @@ scales (NVFP4: the per-expert ``amax`` and denominator stay; MXFP8: fresh block 
 tensors: cast back to their dtype). An expert or tensor whose delta is exactly zero keeps its
 base bytes, so a zero adapter reproduces the base checkpoint byte for byte.
 
-Memory: a slice of experts (``convert.requantize.expert_slices``, ``SLICE_BYTES`` as BF16) or one row
-chunk of the unembed at a time. Output: staged beside the
-destination, one group of shard files finished at a time (resumable), published by rename.
+Runs through :mod:`inkling_ckpt.pipeline`: one unit per slice of experts
+(``convert.requantize.expert_slices``), row chunk of a big linear (the unembed) or span of bytes
+copied over, so memory is a few units whatever the checkpoint; ``--device`` decodes, adds and
+re-encodes experts there, ``--workers`` units at once; under torchrun each rank writes whole
+groups of shard files. Output: staged beside the destination, one group of shard files finished
+at a time (a rerun resumes from the finished groups), published by rename.
 """
 
 from __future__ import annotations
 
 import math
 import shutil
+import threading
+import time
 from collections import defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +36,8 @@ from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, de
 from ..layouts.hf import INDEX
 from ..layouts.paths import check_dst, inside
 from ..layouts.sharded import raw_header
-from ..layouts.staging import Staging
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
-from ..progress import ByteProgress
+from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
 from .io import Adapter, TensorFile, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
@@ -44,14 +47,12 @@ COPY_CHUNK = 64 << 20
 
 
 @dataclass
-class MergeResult:
-    dst: Path
-    skipped: bool = False
-    resumed: bool = False
-    files: int = 0
+class MergeResult(Result):
+    """What a merge did: the pipeline's figures (``bytes``: the base's file bytes), and the merge's own."""
+
+    files: int = 0  # shard files written by this run (a resume skips the finished ones)
     changed: list[str] = field(default_factory=list)  # base tensors rewritten
     unchanged_experts: int = 0  # experts whose delta was zero (base bytes kept)
-    bytes: int = 0
     sqnr: dict[str, float] = field(default_factory=dict)  # quantized base tensor -> dB vs float reference
 
 
@@ -100,12 +101,14 @@ class _Base:
                 raise CheckpointError(f"{root / INDEX}: {bad[0]} is not in {wm[bad[0]]}")
         self.meta = {n: (self.headers[f].entries[n][0], self.headers[f].entries[n][1]) for n, f in self.where.items()}
         self._files: dict[str, TensorFile] = {}
+        self._lock = threading.Lock()  # the executor's workers open files lazily
 
     def _file(self, name: str) -> TensorFile:
         f = self.where[name]
-        if f not in self._files:
-            self._files[f] = TensorFile(self.root / f)
-        return self._files[f]
+        with self._lock:
+            if f not in self._files:
+                self._files[f] = TensorFile(self.root / f)
+            return self._files[f]
 
     def get(self, name: str) -> torch.Tensor:
         return self._file(name).read(name)
@@ -241,7 +244,7 @@ def _expert_stack(u: _Unit, base: _Base) -> ExpertStack:
 class _Out:
     """Partial output files of one file group, opened with the base's exact header and size."""
 
-    def __init__(self, st: Staging, base: _Base, files: list[str]):
+    def __init__(self, st: Stage, base: _Base, files: list[str]):
         self.fh: dict[str, Any] = {}
         for f in files:
             h = base.headers[f]
@@ -265,120 +268,197 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What one executor unit of the merge does (its ``data``).
+
+    ``open`` starts a file group (the sink opens its partial files with the base's headers);
+    ``copy`` carries bytes ``lo:hi`` of ``file`` over; ``linear`` merges rows ``lo:hi`` of a float
+    linear; ``experts`` merges experts ``lo:hi`` of a stacked weight. ``last``: the tensor's last step.
+    """
+
+    kind: str
+    group: int
+    file: str = ""
+    lo: int = 0
+    hi: int = 0
+    unit: _Unit | None = None
+    last: bool = False
+
+
+@dataclass
+class _Got:
+    """What a step produced: positioned writes, and what the result reports of it."""
+
+    writes: list[tuple[str, int, memoryview | bytes]] = field(default_factory=list)
+    changed: bool = False
+    unchanged: int = 0
+    measured: list[tuple[float, float]] = field(default_factory=list)  # per merged expert: signal, error (float64)
+
+
+def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]]) -> list[Unit]:
+    """Every group's steps in file order: an ``open``, then copies (contiguous spans up to
+    ``COPY_CHUNK``) and merges (row chunks of a linear, expert slices of a stack)."""
+    unit_of = {n: u for u in units for n in u.writes}
+    out: list[Unit] = []
+    for g, files in enumerate(groups):
+        out.append(Unit(f"open:{g}", "", 0, 0, (), _Step("open", g)))
+        span: list[Any] = []  # [file, start, stop] of bytes to copy
+
+        def flush(g: int = g) -> None:
+            if span:
+                f, a, z = span
+                for lo in range(a, z, COPY_CHUNK):
+                    hi = min(z, lo + COPY_CHUNK)
+                    out.append(Unit(f"copy:{f}:{lo}", f, hi - lo, hi - lo, (), _Step("copy", g, f, lo, hi)))
+                span.clear()
+
+        done: set[int] = set()
+        names = sorted((n for f in files for n in b.headers[f].entries), key=lambda n: (b.where[n], b.span(n)[1]))
+        for n in names:
+            u = unit_of.get(n)
+            if u is None:
+                f, a, z = b.span(n)
+                if span and span[0] == f and span[2] == a and span[2] - span[1] < COPY_CHUNK:
+                    span[2] = z
+                else:
+                    flush()
+                    span.extend([f, a, z])
+                continue
+            if id(u) in done:
+                continue
+            done.add(id(u))
+            flush()
+            out += _merge_steps(b, u, g)
+        flush()
+    return out
+
+
+def _merge_steps(b: _Base, u: _Unit, g: int) -> list[Unit]:
+    f = b.where[u.base]
+    if u.stack is None:  # a float linear, a row chunk at a time
+        (rows, cols), dtype = b.meta[u.base]
+        row_bytes = cols * torch.empty((), dtype=dtype).element_size()
+        step = max(1, ROW_CHUNK_ELEMS // max(1, cols))
+        cuts = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)] or [(0, 0)]
+        return [Unit(f"{u.base}[{lo}:{hi}]", f, (hi - lo) * row_bytes, (hi - lo) * row_bytes, (),
+                     _Step("linear", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
+    E = u.stack.shape[0]
+    per = sum(b.span(n)[2] - b.span(n)[1] for n in u.writes) // max(1, E)
+    cuts = expert_slices(u.stack)
+    return [Unit(f"{u.base}[{lo}:{hi}]", f, per * (hi - lo), per * (hi - lo), (),
+                 _Step("experts", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
+
+
 class _Merger:
-    def __init__(self, base: _Base, adapter: Adapter, out: _Out, res: MergeResult, advance: Callable[[int], None],
-                 measure: bool, passthrough_zero: bool):
-        self.base, self.adapter, self.out, self.res = base, adapter, out, res
-        self.advance, self.measure, self.passthrough_zero = advance, measure, passthrough_zero
+    """The merge's transform: runs on the executor's worker threads, reads and returns, never writes.
+
+    Decoding, adding and re-encoding experts run on ``device``; the deltas ``B @ A`` are formed on
+    the CPU (a float32 matmul sums in a device-specific order, and the bytes must not depend on the
+    device), and float linears are merged on the CPU (a cast, no codec)."""
+
+    def __init__(self, base: _Base, adapter: Adapter, device: torch.device, measure: bool, passthrough_zero: bool):
+        self.base, self.adapter, self.device = base, adapter, device
+        self.measure, self.passthrough_zero = measure, passthrough_zero
         self.s = adapter.scale
 
-    def copy(self, name: str) -> None:
-        f, a, b = self.base.span(name)
+    def __call__(self, unit: Unit) -> _Got:
+        s: _Step = unit.data
+        if s.kind == "open":
+            return _Got()
+        if s.kind == "copy":
+            return _Got([(s.file, s.lo, self._read(s.file, s.lo, s.hi))])
+        assert s.unit is not None  # planned with one  # noqa: S101
+        return self.linear(s.unit, s.lo, s.hi) if s.kind == "linear" else self.experts(s.unit, s.lo, s.hi)
+
+    def _read(self, f: str, a: int, b: int) -> bytes:
         with open(self.base.root / f, "rb") as src:
             src.seek(a)
-            pos = a
-            while pos < b:
-                chunk = src.read(min(COPY_CHUNK, b - pos))
-                if not chunk:
-                    raise CheckpointError(f"{self.base.root / f}: truncated inside {name}")
-                self.out.write(f, pos, chunk)
-                pos += len(chunk)
-        self.advance(b - a)
+            data = src.read(b - a)
+        if len(data) != b - a:
+            raise CheckpointError(f"{self.base.root / f}: truncated")
+        return data
 
     def factor(self, u: _Unit, k: tuple[int, str], first: int | None = None, last: int | None = None) -> torch.Tensor:
-        """An adapter factor (or experts ``first:last`` of a stacked one) in float32; non-finite values refused."""
+        """An adapter factor (or rows ``first:last`` of one) in float32; non-finite values refused."""
         n = u.factors[k]
         t = (self.adapter.get(n) if first is None or last is None else self.adapter.get_rows(n, first, last)).to(torch.float32)
         if not bool(torch.isfinite(t).all()):
             raise AdapterError(f"{self.adapter.tensors[n].stored}: holds NaN or Inf")
         return t
 
-    def linear(self, u: _Unit) -> None:
+    def linear(self, u: _Unit, r0: int, r1: int) -> _Got:
+        """Rows ``r0:r1`` of a merged float linear (B's rows beyond its own count add nothing)."""
         A = self.factor(u, (0, "A"))
-        B = self.factor(u, (0, "B"))
+        b_rows = self.adapter.tensors[u.factors[(0, "B")]].shape[0]
+        b0, b1 = min(r0, b_rows), min(r1, b_rows)
+        B = self.factor(u, (0, "B"), b0, b1) if b1 > b0 else None
         f, start, _ = self.base.span(u.base)
-        shape, dtype = self.base.meta[u.base]
-        out_rows, cols = shape
+        (_, cols), dtype = self.base.meta[u.base]
         row_bytes = cols * torch.empty((), dtype=dtype).element_size()
-        changed = False
-        zero_a = not bool(A.any())
-        step = max(1, ROW_CHUNK_ELEMS // max(1, cols))
-        for r0 in range(0, out_rows, step):
-            r1 = min(out_rows, r0 + step)
-            b0, b1 = min(r0, B.shape[0]), min(r1, B.shape[0])
-            # finite factors: B @ A is exactly zero when either factor is (no need to form it)
-            live = b1 > b0 and not (self.passthrough_zero and (zero_a or not bool(B[b0:b1].any())))
-            w = self.base.read_rows(u.base, r0, r1)
-            if live:
-                delta = B[b0:b1] @ A
-                delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
-                m = w.to(torch.float32)
-                m[: b1 - b0] += delta
-                w = m.to(dtype)
-                changed = True
-            self.out.write(f, start + r0 * row_bytes, _bytes(w))
-            self.advance((r1 - r0) * row_bytes)
-        if changed:
-            self.res.changed.append(u.base)
+        # finite factors: B @ A is exactly zero when either factor is (no need to form it)
+        live = B is not None and not (self.passthrough_zero and (not bool(A.any()) or not bool(B.any())))
+        w = self.base.read_rows(u.base, r0, r1)
+        if live:
+            assert B is not None  # noqa: S101
+            delta = B @ A
+            delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
+            m = w.to(torch.float32)
+            m[: b1 - b0] += delta
+            w = m.to(dtype)
+        return _Got([(f, start + r0 * row_bytes, _bytes(w))], changed=live)
 
-    def experts(self, u: _Unit) -> None:
-        """Merge one stacked expert weight a slice of experts at a time (``expert_slices``)."""
+    def experts(self, u: _Unit, first: int, last: int) -> _Got:
+        """Experts ``first:last`` of a merged stacked weight."""
         stack = u.stack or _expert_stack(u, self.base)
         fmt, E = stack.fmt, stack.shape[0]
         wdtype = self.base.meta[u.base][1]
         gate_up = isinstance(u.target.rule, ExpertsGateUp)
-        shared = {}  # factors with expert axis 1, read once
-        for k, n in u.factors.items():
-            if self.adapter.tensors[n].shape[0] == 1:
-                shared[k] = self.factor(u, k)[0]
+        shared = {k: self.factor(u, k)[0] for k, n in u.factors.items() if self.adapter.tensors[n].shape[0] == 1}
         pairs = [(0, "B", 0, "A"), (1, "B", 1, "A")] if gate_up else [(0, "B", 0, "A")]
         spans = {n[len(u.base):]: self.base.span(n) for n in u.writes}  # weight, block scales
         per = {s: (b - a) // E for s, (_, a, b) in spans.items()}
-        sig = sq = 0.0
-        changed = False
-        for first, last in expert_slices(stack):
-            fac = {k: self.factor(u, k, first, last) for k in u.factors if k not in shared}
-            base_parts = _read_parts(self.base, stack, first, last)
-            new = {s: base_parts[s] for s in spans}
-            live: dict[int, list[tuple[int, str, int, str]]] = {}
-            for e in range(first, last):
+        got = _Got()
+        fac = {k: self.factor(u, k, first, last) for k in u.factors if k not in shared}
+        base_parts = _read_parts(self.base, stack, first, last)
+        new = {s: base_parts[s] for s in spans}
+        live: dict[int, list[tuple[int, str, int, str]]] = {}
+        for e in range(first, last):
+            f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
+            # which products are non-zero (finite factors: zero iff a factor is all zero)
+            lp = [p for p in pairs if not self.passthrough_zero or (bool(f_e[p[:2]].any()) and bool(f_e[p[2:]].any()))]
+            if lp:
+                live[e] = lp
+            else:
+                got.unchanged += 1
+        if live:
+            dev = self.device
+            idx = torch.tensor([e - first for e in live])
+            kept = _take(base_parts, idx)
+            kept_d = kept if dev.type == "cpu" else {k: v.to(dev) for k, v in kept.items()}
+            x = _decode(fmt, kept_d, u.base)
+            # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
+            halves = deinterleave(x) if gate_up else None
+            for j, (e, lp) in enumerate(live.items()):
                 f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
-                # which products are non-zero (finite factors: zero iff a factor is all zero)
-                lp = [p for p in pairs if not self.passthrough_zero or (bool(f_e[p[:2]].any()) and bool(f_e[p[2:]].any()))]
-                if lp:
-                    live[e] = lp
-                else:
-                    self.res.unchanged_experts += 1
-            if live:
-                idx = torch.tensor([e - first for e in live])
-                kept = _take(base_parts, idx)
-                x = _decode(fmt, kept, u.base)
-                # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
-                halves = deinterleave(x) if gate_up else None
-                for j, (e, lp) in enumerate(live.items()):
-                    f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
-                    for i, bs, jj, as_ in lp:
-                        d = f_e[(i, bs)] @ f_e[(jj, as_)]
-                        d.mul_(self.s)  # W + s * (B @ A), rounded in that order
-                        (x[j] if halves is None else halves[i][j]).add_(d)
-                enc = _encode(fmt, x, kept, wdtype, u.base)
-                for s in spans:
-                    new[s] = new[s].clone()
-                    new[s][idx] = enc[s]
-                changed = True
-                if self.measure and fmt != "bf16":
-                    back = _decode(fmt, {**kept, **{s: enc[s] for s in spans}}, u.base)
-                    for j in range(x.shape[0]):  # summed expert by expert, in float64
-                        sig += float(x[j].double().square().sum())
-                        sq += float((back[j] - x[j]).double().square().sum())
-            for s, t in new.items():
-                f, a, _ = spans[s]
-                self.out.write(f, a + first * per[s], _bytes(t))
-            self.advance(sum(per.values()) * (last - first))
-        if changed:
-            self.res.changed.extend(u.writes)
-        if self.measure and fmt != "bf16" and changed:
-            self.res.sqnr[u.base] = math.inf if sq == 0 else 10 * math.log10(sig / sq)
+                for i, bs, jj, as_ in lp:
+                    d = f_e[(i, bs)] @ f_e[(jj, as_)]
+                    d.mul_(self.s)  # W + s * (B @ A), rounded in that order
+                    (x[j] if halves is None else halves[i][j]).add_(d if dev.type == "cpu" else d.to(dev))
+            enc = _encode(fmt, x, kept_d, wdtype, u.base)
+            if self.measure and fmt != "bf16":
+                back = _decode(fmt, {**kept_d, **{s: enc[s] for s in spans}}, u.base)
+                got.measured = [(float(x[j].double().square().sum()), float((back[j] - x[j]).double().square().sum()))
+                                for j in range(x.shape[0])]
+            for s in spans:
+                new[s] = new[s].clone()
+                new[s][idx] = enc[s].to("cpu")
+            got.changed = True
+        for s, t in new.items():
+            f, a, _ = spans[s]
+            got.writes.append((f, a + first * per[s], _bytes(t)))
+        return got
+
 
 
 def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
@@ -462,70 +542,117 @@ DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32
 
 
 def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool = False, progress: bool = True,
-          measure: bool = False, passthrough_zero: bool = True) -> MergeResult:
+          measure: bool = False, passthrough_zero: bool = True, options: Options | None = None) -> MergeResult:
     """Write ``dst``: the base release checkpoint with the adapter merged (see the module docstring).
 
     ``measure``: report the SQNR of every merged quantized expert tensor against its float32
     merged value. ``passthrough_zero=False`` re-encodes experts even when their delta is zero
-    (for testing the codec round trip).
+    (for testing the codec round trip). ``options``: device and workers (default ``--device
+    auto``); under torchrun the ranks split the base's file groups and publish one checkpoint.
     """
     base_p, ad_p, dst_p = Path(base), Path(adapter), Path(dst)
     check_dst(dst_p, [base_p, ad_p])
     b = _Base(base_p)
     ad = Adapter.open(ad_p)
-    units = plan_units(b, ad)
-    job = {"what": "lora-merge", "base": str(base_p.resolve()), "base_files": _identity(base_p),
-           "adapter": str(ad_p.resolve()), "adapter_files": _identity(ad_p), "passthrough_zero": passthrough_zero}
-    res = MergeResult(dst_p)
     try:
-        _merge_into(b, ad, units, dst_p, job, force, progress, measure, passthrough_zero, res)
+        units = plan_units(b, ad)
+        job = {"what": "lora-merge", "base": str(base_p.resolve()), "base_files": _identity(base_p),
+               "adapter": str(ad_p.resolve()), "adapter_files": _identity(ad_p), "passthrough_zero": passthrough_zero}
+        ex = Executor(options or Options(progress=progress), desc="lora merge")
+        return _merge_into(b, ad, units, dst_p, job, force, measure, passthrough_zero, ex)
     finally:
         b.close()
         ad.close()
+
+
+def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dict, force: bool, measure: bool,
+                passthrough_zero: bool, ex: Executor) -> MergeResult:
+    t0 = time.perf_counter()
+    groups = _file_groups(b, units)
+    steps = _plan_steps(b, units, groups)
+    sizes = [sum((b.root / f).stat().st_size for f in files) for files in groups]
+    owner = assign(dict(enumerate(sizes)), ex.world.size)
+    order = {id(u): i for i, u in enumerate(steps)}
+    transform = _Merger(b, ad, ex.device, measure, passthrough_zero)
+
+    def work(stage: Stage) -> dict[str, Any]:
+        mine = [u for u in steps if owner[u.data.group] == stage.rank]
+        finished = {g for g in set(owner) if owner[g] == stage.rank and all(stage.is_finished(f) for f in groups[g])}
+        todo = [u for u in mine if u.data.group not in finished]
+        reused = [u for u in mine if u.data.group in finished]
+        local: dict[str, Any] = {"changed": [], "sqnr": [], "unchanged": 0, "files": 0}
+        acc: dict[str, list[Any]] = {}  # tensor -> [changed, signal, error]
+        cur: list[Any] = []  # [group, _Out] being written
+
+        def close_group() -> None:
+            if cur:
+                g, out = cur
+                out.close()
+                cur.clear()
+                for f in groups[g]:
+                    stage.finish(f)
+                local["files"] += len(groups[g])
+
+        def sink(unit: Unit, got: _Got) -> None:
+            s: _Step = unit.data
+            if s.kind == "open":
+                close_group()
+                cur.extend([s.group, _Out(stage, b, groups[s.group])])
+                return
+            out = cur[1]
+            for f, pos, data in got.writes:
+                out.write(f, pos, data)
+            if s.unit is None:
+                return
+            local["unchanged"] += got.unchanged
+            a = acc.setdefault(s.unit.base, [False, 0.0, 0.0])
+            a[0] = a[0] or got.changed
+            for sig, sq in got.measured:  # summed expert by expert, in order
+                a[1] += sig
+                a[2] += sq
+            if s.last:
+                changed, sig, sq = acc.pop(s.unit.base)
+                if changed:
+                    local["changed"].append((order[id(unit)], s.unit.writes))
+                    if measure and s.unit.stack is not None and s.unit.stack.fmt != "bf16":
+                        local["sqnr"].append((order[id(unit)], s.unit.base,
+                                              math.inf if sq == 0 else 10 * math.log10(sig / sq)))
+
+        try:
+            ex.run(todo, transform, sink, reused=reused)
+        except BaseException:
+            if cur:  # an interruption keeps the groups finished so far for a resume
+                cur[1].close()
+            raise
+        close_group()
+        return local
+
+    def finish(stage: Stage, _: Any) -> None:
+        shards = set(b.files)
+        for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
+            if p.name.startswith(".") or p.name in b.files:
+                continue
+            if p.is_dir():  # (shards in a subfolder were written by the ranks: not copied over)
+                shutil.copytree(p, stage.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
+                    n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
+            elif p.is_file():
+                shutil.copyfile(p, stage.path / p.name)
+
+    outcome = run_staged(dst_p, job, ex.world, work, finish, force=force)
+    res = MergeResult(dst_p, skipped=outcome.skipped)
+    if outcome.skipped:
+        return res
+    every = gather(outcome.value, ex.world)
+    stats = ex.finish()
+    res.add_ranks(stats, seconds=time.perf_counter() - t0)
+    for _, names in sorted(c for r in every for c in r["changed"]):
+        res.changed.extend(names)
+    res.sqnr = {name: db for _, name, db in sorted(c for r in every for c in r["sqnr"])}
+    res.unchanged_experts = sum(r["unchanged"] for r in every)
+    res.files = sum(r["files"] for r in every)
+    res.tensors = len(b.where)
+    res.bytes = sum(sizes)
     return res
-
-
-def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dict, force: bool, progress: bool,
-                measure: bool, passthrough_zero: bool, res: MergeResult) -> None:
-    unit_of = {n: u for u in units for n in u.writes}
-    with Staging(dst_p, job, force) as st:
-        if st.done:
-            res.skipped = True
-            return
-        res.resumed = st.resumed
-        total = sum((b.root / f).stat().st_size for f in b.files)
-        with ByteProgress(total, desc="lora merge", enabled=progress) as bar:
-            for files in _file_groups(b, units):
-                if all(st.is_finished(f) for f in files):
-                    bar.advance(sum((b.root / f).stat().st_size for f in files))
-                    continue
-                out = _Out(st, b, files)
-                try:
-                    mg = _Merger(b, ad, out, res, bar.advance, measure, passthrough_zero)
-                    done: set[int] = set()
-                    names = sorted((n for f in files for n in b.headers[f].entries), key=lambda n: (b.where[n], b.span(n)[1]))
-                    for n in names:
-                        u = unit_of.get(n)
-                        if u is None:
-                            mg.copy(n)
-                        elif id(u) not in done:
-                            done.add(id(u))
-                            (mg.linear if isinstance(u.target.rule, Linear) else mg.experts)(u)
-                finally:
-                    out.close()
-                for f in files:
-                    st.finish(f)
-                res.files += len(files)
-            shards = set(b.files)
-            for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
-                if p.name.startswith(".") or p.name in b.files:
-                    continue
-                if p.is_dir():  # (shards in a subfolder were written above: not copied over)
-                    shutil.copytree(p, st.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
-                        n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
-                elif p.is_file():
-                    shutil.copyfile(p, st.path / p.name)
-        res.bytes = total
 
 
 __all__ = ["MergeResult", "merge", "plan_merge", "plan_units"]
