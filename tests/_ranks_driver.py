@@ -42,6 +42,14 @@ def _capture_results() -> list:
     cli_checkpoint.report = capture
     import inkling_ckpt.cli.convert as cli_convert
     cli_convert.report = capture
+    import inkling_ckpt.cli.lora as cli_lora
+    emit = cli_lora.emit
+
+    def capture_emit(rep, as_json, render):  # type: ignore[no-untyped-def]
+        seen.append(rep)
+        emit(rep, as_json, render)
+
+    cli_lora.emit = capture_emit
     return seen
 
 

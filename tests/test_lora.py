@@ -719,3 +719,43 @@ def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed, monkeypat
         assert res.unchanged_experts == whole.unchanged_experts
         assert (work / f"slices-{k}" / "model.safetensors").read_bytes() == \
             (work / "slices-all" / "model.safetensors").read_bytes()
+
+
+# ---- the pipeline: devices, workers, ranks ---------------------------------------------------
+
+
+def test_two_ranks_merge_the_one_process_bytes_and_report_both(work, dims, base_bf16, base_mixed, ad_random, cli):
+    """Under torchrun the ranks split the base's shard files; the output is the one-process
+    merge's, byte for byte, for a sharded BF16 base and a one-file mixed base; the closing line
+    carries the figures and "2 ranks"."""
+    import subprocess
+    import sys
+
+    from transformers import Inkling2ForConditionalGeneration
+
+    from conftest import free_port, same_files, subprocess_env
+
+    sharded = work / "ranks-base"
+    Inkling2ForConditionalGeneration.from_pretrained(base_bf16, dtype=torch.bfloat16).save_pretrained(
+        sharded, max_shard_size="150KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 3
+    one, two = work / "ranks-one", work / "ranks-two"
+    jobs = [[b, str(ad_random), name] for b, name in ((str(sharded), "sharded"), (str(base_mixed), "mixed"))]
+    for b, ad, name in jobs:
+        code, out, err = cli("lora", "merge", b, ad, one / name, "--device", "cpu", "--workers", "2")
+        assert code == 0, err
+        assert out.startswith("wrote ") and " MB/s; cpu)" in out and " 2 ranks" not in out
+    spec = work / "ranks-jobs.json"
+    spec.write_text(json.dumps([["lora", "merge", b, ad, str(two / name), "-q", "--device", "cpu"] for b, ad, name in jobs]))
+    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                        free_port(), str(Path(__file__).parent / "_ranks_driver.py"), str(spec)],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for _, _, name in jobs:
+        assert same_files(one / name, two / name) == [], name
+    assert "2 ranks" in r.stdout
+    results = json.loads(r.stdout.split("RESULT ", 1)[1])
+    sharded_rep = results[0]
+    assert sharded_rep["ranks"]["count"] == 2
+    assert all(each["bytes_written"] > 0 for each in sharded_rep["ranks"]["each"])  # each rank wrote its files
+    assert sharded_rep["changed"] and sharded_rep["files"] == len(list(sharded.glob("model-*.safetensors")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -93,7 +94,8 @@ def merge_cmd(
     with joined(dry_run):
         rep = api.lora_merge(base, adapter, out, sqnr=sqnr, force=force, dry_run=dry_run, progress=not quiet,
                              device=device, workers=workers)
-    emit(rep, as_json, _render_merge)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
+        emit(rep, as_json, _render_merge)
 
 
 def _render_merge(rep: dict[str, Any]) -> str:

@@ -304,15 +304,6 @@ def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]]) -> list[U
     for g, files in enumerate(groups):
         out.append(Unit(f"open:{g}", "", 0, 0, (), _Step("open", g)))
         span: list[Any] = []  # [file, start, stop] of bytes to copy
-
-        def flush(g: int = g) -> None:
-            if span:
-                f, a, z = span
-                for lo in range(a, z, COPY_CHUNK):
-                    hi = min(z, lo + COPY_CHUNK)
-                    out.append(Unit(f"copy:{f}:{lo}", f, hi - lo, hi - lo, (), _Step("copy", g, f, lo, hi)))
-                span.clear()
-
         done: set[int] = set()
         names = sorted((n for f in files for n in b.headers[f].entries), key=lambda n: (b.where[n], b.span(n)[1]))
         for n in names:
@@ -322,16 +313,26 @@ def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]]) -> list[U
                 if span and span[0] == f and span[2] == a and span[2] - span[1] < COPY_CHUNK:
                     span[2] = z
                 else:
-                    flush()
-                    span.extend([f, a, z])
+                    out += _copy_steps(span, g)
+                    span = [f, a, z]
                 continue
             if id(u) in done:
                 continue
             done.add(id(u))
-            flush()
+            out += _copy_steps(span, g)
+            span = []
             out += _merge_steps(b, u, g)
-        flush()
+        out += _copy_steps(span, g)
     return out
+
+
+def _copy_steps(span: list[Any], g: int) -> list[Unit]:
+    """Steps copying bytes ``start:stop`` of a file (``span``; empty: none), ``COPY_CHUNK`` at a time."""
+    if not span:
+        return []
+    f, a, z = span
+    return [Unit(f"copy:{f}:{lo}", f, min(z, lo + COPY_CHUNK) - lo, min(z, lo + COPY_CHUNK) - lo, (),
+                 _Step("copy", g, f, lo, min(z, lo + COPY_CHUNK))) for lo in range(a, z, COPY_CHUNK)]
 
 
 def _merge_steps(b: _Base, u: _Unit, g: int) -> list[Unit]:
@@ -368,7 +369,8 @@ class _Merger:
             return _Got()
         if s.kind == "copy":
             return _Got([(s.file, s.lo, self._read(s.file, s.lo, s.hi))])
-        assert s.unit is not None  # planned with one  # noqa: S101
+        if s.unit is None:
+            raise ValueError(f"lora merge: step {unit.key} has no tensor")  # a planning bug, not bad input
         return self.linear(s.unit, s.lo, s.hi) if s.kind == "linear" else self.experts(s.unit, s.lo, s.hi)
 
     def _read(self, f: str, a: int, b: int) -> bytes:
@@ -399,8 +401,7 @@ class _Merger:
         # finite factors: B @ A is exactly zero when either factor is (no need to form it)
         live = B is not None and not (self.passthrough_zero and (not bool(A.any()) or not bool(B.any())))
         w = self.base.read_rows(u.base, r0, r1)
-        if live:
-            assert B is not None  # noqa: S101
+        if live and B is not None:
             delta = B @ A
             delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
             m = w.to(torch.float32)
