@@ -284,8 +284,9 @@ def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_
 
 
 def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_run: bool = False,
-                 progress: bool = False) -> dict[str, Any]:
-    """Rebuild the original checkpoint of a sharded folder byte for byte (checksums verified)."""
+                 progress: bool = False, workers: int = 0) -> dict[str, Any]:
+    """Rebuild the original checkpoint of a sharded folder byte for byte (checksums verified; collective
+    under torchrun: the ranks split the source files)."""
     from .layouts import sharded
     from .layouts.paths import check_dst
 
@@ -298,8 +299,8 @@ def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_r
                         bytes=sum(int(f["bytes"]) for f in files.values()))
         finally:
             sh.close()
-    res = sharded.merge(src, dst, force=force, progress=progress)
-    return _job("merge-shards", res, src, files=res.files, bytes=res.bytes)
+    res = sharded.merge(src, dst, force=force, progress=progress, options=_options("cpu", 64, workers, progress))
+    return _job("merge-shards", res, src, files=res.files, bytes=res.bytes, **_figures(res))
 
 
 # ---- read-only reports --------------------------------------------------------------------------

@@ -50,6 +50,8 @@ def _capture_results() -> list:
         emit(rep, as_json, render)
 
     cli_lora.emit = capture_emit
+    import inkling_ckpt.cli.shard as cli_shard
+    cli_shard.emit = capture_emit
     return seen
 
 

@@ -403,3 +403,33 @@ def test_interrupted_merge_resumes(tiny_release, tmp_path, monkeypatch):
     merge(tmp_path / "sh", tmp_path / "back", progress=False)
     assert _files(tmp_path / "back") == _files(src)
     assert merge(tmp_path / "sh", tmp_path / "back", progress=False).skipped
+
+
+def test_two_ranks_merge_the_source_bytes_and_report_both(tiny_release, cli, tmp_path):
+    """``shard --merge`` under torchrun: the ranks split the source files (a sharded source of
+    several shard files), the result is the source byte for byte, the closing line says "2 ranks"."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, subprocess_env
+
+    from transformers import Inkling2ForConditionalGeneration
+
+    src = tmp_path / "src"
+    Inkling2ForConditionalGeneration.from_pretrained(tiny_release["bf16"], dtype=torch.bfloat16).save_pretrained(
+        src, max_shard_size="150KB")
+    assert len(list(src.glob("model-*.safetensors"))) > 2
+    shard(src, tmp_path / "sh", 2, 2, progress=False)
+    code, out, err = cli("shard", "--merge", tmp_path / "sh", tmp_path / "one", "--workers", "2")
+    assert code == 0, err
+    assert "byte-identical" in out and " MB/s; cpu)" in out and _files(tmp_path / "one") == _files(src)
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps([["shard", "--merge", str(tmp_path / "sh"), str(tmp_path / "two"), "-q"]]))
+    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                        free_port(), str(Path(__file__).parent / "_ranks_driver.py"), str(spec)],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _files(tmp_path / "two") == _files(src)
+    assert "2 ranks" in r.stdout
+    rep = json.loads(r.stdout.split("RESULT ", 1)[1])[0]
+    assert rep["ranks"]["count"] == 2 and all(each["bytes_written"] > 0 for each in rep["ranks"]["each"])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from .app import app
-from .options import DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, emit, hub, render_job, setup
+from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, WORKERS, emit, figures, hub,
+                      joined, render_job, setup)
 
 _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
@@ -36,6 +38,7 @@ def shard_cmd(
     ep: int = typer.Option(1, "--ep", metavar="N", help="Expert-parallel ranks; must divide --tp and the expert count."),
     merge_: bool = typer.Option(False, "--merge", help="Reassemble the sharded folder SRC into DST instead."),
     max_shard_size: str = SHARD_SIZE,
+    workers: int = WORKERS,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
     dry_run: bool = DRY_RUN,
@@ -53,7 +56,10 @@ def shard_cmd(
             raise PlanError("--merge takes no --tp/--ep: the plan is read from the manifest")
         if dst is None:
             raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
-        emit(api.merge_shards(src, dst, force=force, dry_run=dry_run, progress=not quiet), as_json, _render_merge)
+        with joined(dry_run):
+            rep = api.merge_shards(src, dst, force=force, dry_run=dry_run, progress=not quiet, workers=workers)
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
+            emit(rep, as_json, _render_merge)
         return
     if tp is None:
         raise PlanError("--tp is required (and --ep, default 1)")
@@ -81,7 +87,8 @@ def _render_merge(rep: dict[str, Any]) -> str:
 
     if rep["status"] != "written":
         return render_job(rep)
-    return f"merged into {rep['output']}: {rep['files']} files, {fmt_bytes(rep['bytes'])}, byte-identical to the source"
+    return (f"merged into {rep['output']}: {rep['files']} files, {fmt_bytes(rep['bytes'])}, byte-identical to the "
+            f"source" + figures(rep))
 
 
 def _render_dry_run(rep: dict[str, Any]) -> str:

@@ -36,6 +36,8 @@ import json
 import os
 import shutil
 import struct
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +49,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..model.config import InklingConfig, read_json
 from ..model.inventory import Category, TensorSpec, detect_plan, inventory, is_vision, nbytes
 from ..model.precision import PrecisionPlan
+from ..pipeline import Executor, Options, Result, Stage, Unit, assign, run_staged
 from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
@@ -444,6 +447,7 @@ class ShardedCheckpoint:
                                                str(root))
         self._where: dict[tuple[int, str], tuple[str, int, int]] = {}  # (rank, name) -> file, start, stop
         self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     @classmethod
     def open(cls: type[_Ckpt], root: str | Path, *, verify_checksums: bool = True, progress: bool = False) -> _Ckpt:
@@ -498,9 +502,10 @@ class ShardedCheckpoint:
                                   f"{list(local)} {t['dtype']} needs {nbytes(local, dtype)}")
         row = nbytes(local[1:], dtype) if local else b - a
         count = (stop - start) * row
-        fd = self._fds.get(rel)
-        if fd is None:
-            fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
+        with self._lock:  # the merge's workers read from several threads
+            fd = self._fds.get(rel)
+            if fd is None:
+                fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
         buf = torch.empty(count, dtype=torch.uint8)
         got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         if got != count:
@@ -694,15 +699,39 @@ def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksum
 # ---- merge --------------------------------------------------------------------------------
 
 @dataclass
-class MergeResult:
-    out: Path
-    skipped: bool = False
+class MergeResult(Result):
+    """What ``shard --merge`` did: the pipeline's figures, and how many source files it rebuilt."""
+
     files: int = 0
-    bytes: int = 0
+
+    @property
+    def out(self) -> Path:
+        return self.dst
 
 
-def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bool = True) -> MergeResult:
-    """Reassemble the source checkpoint of the sharded folder ``dst`` into ``out``, byte for byte."""
+@dataclass(frozen=True)
+class _MergeStep:
+    """One unit of a merge (its ``data``): ``open`` a rebuilt file (its header), copy ``rows``
+    ``lo:hi`` of tensor ``tensor`` into it, or ``copy`` a small source file as it is. ``last``:
+    the file's last unit (the sink checks its sha256 and marks it finished)."""
+
+    kind: str
+    file: str
+    tensor: str = ""
+    lo: int = 0
+    hi: int = 0
+    last: bool = False
+
+
+def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bool = True,
+          options: Options | None = None) -> MergeResult:
+    """Reassemble the source checkpoint of the sharded folder ``dst`` into ``out``, byte for byte.
+
+    Runs through :mod:`inkling_ckpt.pipeline`: one unit per block of dim-0 rows of each tensor
+    (read from the lowest rank holding each piece on ``--workers`` threads, written in order);
+    under torchrun the ranks split the source files, each file rebuilt and checked by one rank.
+    """
+    t0 = time.perf_counter()
     sharded = ShardedCheckpoint.open(dst, progress=progress)
     man = sharded.manifest
     root = sharded.root
@@ -710,32 +739,72 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
     job = {"command": "merge", "manifest_sha256": sha256_file(root / MANIFEST)}
     result = MergeResult(Path(out), files=len(sources))
     try:
-        with Staging(out, job, force=force, inputs=[root]) as st:
-            if st.done:
-                result.skipped = True
-                return result
-            total = sum(info["bytes"] for info in sources.values())
-            with ByteProgress(total, desc="merge", enabled=progress) as bar:
-                for name, info in sorted(sources.items()):
-                    if st.is_finished(name):  # resumed: this file was rebuilt and checked already
-                        bar.advance(info["bytes"])
-                    elif "header" in info:
-                        _merge_file(sharded, name, info, st, bar.advance)
-                    else:
-                        tmp = st.partial(name)
-                        shutil.copyfile(root / SOURCE_DIR / name, tmp)
-                        if sha256_file(tmp) != info["sha256"]:
-                            raise IntegrityError(f"{root / SOURCE_DIR / name}: does not match the source's sha256")
-                        st.finish(name)
-                        bar.advance(info["bytes"])
-            result.bytes = total
+        blobs: dict[str, bytes] = {}
+        units: list[Unit] = []
+        for name, info in sorted(sources.items()):  # every header checked before anything is written
+            if "header" in info:
+                blobs[name], steps = _merge_steps(sharded, name, info)
+                units += steps
+            else:
+                units.append(Unit(f"{name}:copy", name, int(info["bytes"]), int(info["bytes"]), (),
+                                  _MergeStep("copy", name, last=True)))
+        ex = Executor(options or Options(progress=progress), desc="merge")
+        owner = assign({name: int(info["bytes"]) for name, info in sources.items()}, ex.world.size)
+
+        def transform(unit: Unit) -> memoryview | None:
+            s: _MergeStep = unit.data
+            if s.kind != "rows":
+                return None
+            return memoryview(sharded._rows(s.tensor, s.lo, s.hi).contiguous().reshape(-1).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+
+        def work(stage: Stage) -> None:
+            mine = [u for u in units if owner[u.data.file] == stage.rank]
+            todo = [u for u in mine if not stage.is_finished(u.data.file)]  # a resume keeps checked files
+            reused = [u for u in mine if stage.is_finished(u.data.file)]
+            cur: list[Any] = []  # [file handle, sha256] of the file being rebuilt
+
+            def sink(unit: Unit, data: memoryview | None) -> None:
+                s: _MergeStep = unit.data
+                info = sources[s.file]
+                if s.kind == "copy":
+                    tmp = stage.partial(s.file)
+                    shutil.copyfile(root / SOURCE_DIR / s.file, tmp)
+                    if sha256_file(tmp) != info["sha256"]:
+                        raise IntegrityError(f"{root / SOURCE_DIR / s.file}: does not match the source's sha256")
+                    stage.finish(s.file)
+                    return
+                if s.kind == "open":
+                    cur[:] = _merge_file(stage, s.file, blobs[s.file])
+                elif data is not None:
+                    cur[0].write(data)
+                    cur[1].update(data)
+                if s.last:
+                    fh, h = cur
+                    cur.clear()
+                    fh.close()
+                    if h.hexdigest() != info["sha256"]:
+                        raise IntegrityError(f"merged {s.file} does not match the source's sha256 {info['sha256'][:16]}…")
+                    stage.finish(s.file)
+
+            try:
+                ex.run(todo, transform, sink, reused=reused)
+            finally:
+                if cur:
+                    cur[0].close()
+
+        outcome = run_staged(out, job, ex.world, work, lambda stage, _: None, force=force, inputs=[root])
+        result.skipped = outcome.skipped
+        if not outcome.skipped:
+            result.add_ranks(ex.finish(), seconds=time.perf_counter() - t0)
+        result.bytes = sum(int(info["bytes"]) for info in sources.values())
+        result.tensors = len(sharded.tensors)
     finally:
         sharded.close()
     return result
 
 
-def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st: Staging,
-                advance: Callable[[int], None]) -> None:
+def _merge_steps(sharded: ShardedCheckpoint, name: str, info: dict[str, Any]) -> tuple[bytes, list[Unit]]:
+    """The header copy of source shard ``name`` (checked) and the units rebuilding it, in file order."""
     header_path = sharded.root / info["header"]
     blob = header_path.read_bytes()
     try:
@@ -748,37 +817,33 @@ def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st:
             int(a), int(b)
     except (struct.error, ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError):
         raise CheckpointError(f"{header_path}: not a safetensors header copy") from None
-    h = hashlib.sha256(blob)
-    path = st.partial(name)
-    pool = ThreadPoolExecutor(max_workers=1)  # hash tensor i while it is written (one in flight)
-    pending = None
-    with open(path, "wb") as f, pool:
-        f.write(blob)
-        pos = 0
-        for tname in order:
-            a, b = entries[tname]["data_offsets"]
-            if a != pos:
-                raise CheckpointError(f"{header_path}: {tname} does not follow the previous tensor; cannot rebuild")
-            if tname not in sharded.tensors:
-                raise CheckpointError(f"{header_path}: {tname} is not in the manifest")
-            got = 0
-            for data in sharded.iter_raw(tname):
-                got += len(data)
-                if got > b - a:
-                    break
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(h.update, data)
-                f.write(data)
-            if got != b - a:
-                raise CheckpointError(f"{sharded.root}: {tname} reassembles to {got} bytes, expected {b - a}")
-            pos = b
-            advance(b - a)
-        if pending is not None:
-            pending.result()
-    if h.hexdigest() != info["sha256"]:
-        raise IntegrityError(f"merged {name} does not match the source's sha256 {info['sha256'][:16]}…")
-    st.finish(name)
+    units = [Unit(f"{name}:open", name, 0, 0, (), _MergeStep("open", name))]
+    pos = 0
+    for tname in order:
+        a, b = entries[tname]["data_offsets"]
+        if a != pos:
+            raise CheckpointError(f"{header_path}: {tname} does not follow the previous tensor; cannot rebuild")
+        if tname not in sharded.tensors:
+            raise CheckpointError(f"{header_path}: {tname} is not in the manifest")
+        t = sharded.tensors[tname]
+        shape, dtype = tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]]
+        got = nbytes(shape, dtype)
+        if got != b - a:
+            raise CheckpointError(f"{sharded.root}: {tname} reassembles to {got} bytes, expected {b - a}")
+        row = got // shape[0] if shape and shape[0] else got
+        for lo, hi in row_blocks(shape, dtype):
+            size = row * (hi - lo) if shape else got
+            units.append(Unit(f"{name}:{tname}[{lo}:{hi}]", name, size, size, (), _MergeStep("rows", name, tname, lo, hi)))
+        pos = b
+    units[-1] = dataclasses.replace(units[-1], data=dataclasses.replace(units[-1].data, last=True))
+    return blob, units
+
+
+def _merge_file(stage: Stage, name: str, blob: bytes) -> list[Any]:
+    """Start rebuilding source shard ``name``: its partial file with the header written, and the sha256 so far."""
+    fh = open(stage.partial(name), "wb")
+    fh.write(blob)
+    return [fh, hashlib.sha256(blob)]
 
 
 def describe_plan(plan: ShardPlan) -> dict[str, Any]:
