@@ -35,6 +35,8 @@ class TensorFile:
         if lo is None:
             lo, hi, lead = 0, None, shape
         else:
+            if hi is None:
+                hi = shape[0]
             lead = (hi - lo, *shape[1:])
         row = _nbytes(shape[1:], dtype) if shape else 0
         n = _nbytes(lead, dtype)
