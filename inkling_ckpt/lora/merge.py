@@ -35,7 +35,8 @@ from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..progress import ByteProgress
-from .io import Adapter, TensorFile, read_json
+from ..layouts.pread import TensorFile
+from .io import Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"
