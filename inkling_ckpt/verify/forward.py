@@ -57,6 +57,8 @@ TRANSFORMERS_VERSION = "5.24.0"
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: Bytes of rows read at a time into a tensor bound for a GPU (host memory holds one such block).
+BLOCK_BYTES = 64 * 2**20
 
 
 class MissingDependency(InklingError):
@@ -187,9 +189,24 @@ class SafetensorsFolder:
                     raise CheckpointError(f"{index}: {name} is not in {f}")
 
     def get(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Read one tensor (as stored) onto ``device``."""
-        t = self._where[name].read(name)
-        return t.to(device) if str(device) != "cpu" else t
+        """Read one tensor (as stored) onto ``device``; onto a GPU in blocks of rows (:meth:`read_blocks`)."""
+        if torch.device(device).type == "cpu":
+            return self._where[name].read(name)
+        return self.read_blocks(name, device)
+
+    def read_blocks(self, name: str, device: torch.device | str, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+        """One tensor onto ``device``, ``block_bytes`` of dim-0 rows at a time (at least one row):
+        host memory holds one block, not the tensor (a full-size layer's stacked w13 is 16 GB)."""
+        shape, dt = self.meta[name]
+        out = torch.empty(shape, dtype=dt, device=device)
+        if len(shape) == 0 or out.numel() == 0:
+            return out.copy_(self._where[name].read(name)) if len(shape) == 0 else out
+        row = max(1, out[0].numel() * dt.itemsize)
+        step = max(1, block_bytes // row)
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            out[lo:hi].copy_(self._where[name].read(name, lo, hi))
+        return out
 
     def close(self) -> None:
         for tf in self._files.values():
