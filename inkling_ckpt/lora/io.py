@@ -31,8 +31,11 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def read_json(path: Path, what: str) -> Any:
+    from ..layouts.paths import open_regular  # never a FIFO or a device: refused, not read
+
     try:
-        return json.loads(path.read_text())
+        with open_regular(path, limit=1 << 30) as f:
+            return json.loads(f.read())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
     except ValueError:
