@@ -6,7 +6,10 @@ Every command module registers itself on :data:`app`; :func:`main` turns each
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
+from typing import Any, Callable, Sequence
 
 import typer
 
@@ -20,6 +23,25 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def io(*, reads: Sequence[str] = (), writes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare which parameters of a command are paths it reads and which it writes. Before the
+    command runs, one check refuses any written path that is, contains or lies inside a read one
+    (:func:`~inkling_ckpt.layouts.paths.check_outputs`): sources, ``--config``, ``--reference``,
+    ``--tokens`` and adapters all count, ``--force`` or not."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            from ..layouts.paths import check_outputs
+
+            given = sig.bind_partial(*args, **kwargs).arguments
+            check_outputs([given.get(n) for n in writes], [given.get(n) for n in reads])
+            return fn(*args, **kwargs)
+        return run
+    return wrap
 
 
 def _register() -> None:

@@ -15,11 +15,10 @@ from ..verify.inspect import inspect_checkpoint, render_inspect
 from ..layouts.detect import open_checkpoint
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.limits import check_count
-from ..layouts.paths import check_dst
 from ..model.precision import PrecisionPlan
 from ..model.presets import PRESETS, preset_plan
 from ..model.synth import SynthSource
-from .app import app
+from .app import app, io
 
 
 class Variant(str, Enum):
@@ -62,6 +61,7 @@ def report(result: Result, what: str) -> None:
 
 
 @app.command("make-fixture")
+@io(writes=["out"])
 def make_fixture(
     out: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     variant: Variant = typer.Option(Variant.bf16, help="bf16, mixed (NVFP4 then MXFP8 layers), mxfp8 or nvfp4."),
@@ -109,6 +109,7 @@ def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
 
 
 @app.command("quantize")
+@io(reads=["src", "reference"], writes=["dst"])
 def quantize(
     src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
@@ -123,7 +124,6 @@ def quantize(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
-    check_dst(dst, [src, reference])
     ckpt = HFCheckpoint.open(src)
     ref = HFCheckpoint.open(reference) if reference else None
     result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
@@ -133,6 +133,7 @@ def quantize(
 
 
 @app.command("dequantize")
+@io(reads=["src"], writes=["dst"])
 def dequantize(
     src: str = typer.Argument(..., help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),
@@ -141,7 +142,6 @@ def dequantize(
     quiet: bool = QUIET_OPT,
 ) -> None:
     """Decode every routed expert to BF16."""
-    check_dst(dst, [src])
     ckpt = HFCheckpoint.open(src)
     if ckpt.plan.variant == "bf16":
         raise PlanError(f"{src} is already BF16")

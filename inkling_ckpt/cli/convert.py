@@ -16,10 +16,9 @@ from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.limits import check_count
-from ..layouts.paths import check_dst
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
-from .app import app
+from .app import app, io
 from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
 
 convert_app = typer.Typer(
@@ -97,6 +96,7 @@ def _scales(value: str) -> str:
 
 
 @convert_app.command("hf-to-megatron")
+@io(reads=["src"], writes=["dst"])
 def hf_to_megatron_cmd(
     src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
     dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
@@ -114,8 +114,6 @@ def hf_to_megatron_cmd(
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
-    if not dry_run:
-        check_dst(dst, [src])
     if dry_run:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
         info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks)
@@ -132,6 +130,7 @@ def hf_to_megatron_cmd(
 
 
 @convert_app.command("megatron-to-hf")
+@io(reads=["src", "reference"], writes=["dst"])
 def megatron_to_hf_cmd(
     src: Path = typer.Argument(..., help="Megatron torch_dist checkpoint: the save folder or an iteration folder (release/, iter_N/)."),
     dst: Path = typer.Argument(..., help="Destination HF checkpoint folder (published atomically)."),
@@ -154,8 +153,6 @@ def megatron_to_hf_cmd(
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
     _one_process("megatron-to-hf")
-    if not dry_run:
-        check_dst(dst, [src, reference])
     _steady_memory()
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
@@ -169,6 +166,7 @@ def megatron_to_hf_cmd(
 
 
 @convert_app.command("hf-to-hf")
+@io(reads=["src"], writes=["dst"])
 def hf_to_hf_cmd(
     src: str = typer.Argument(..., help="Source HF checkpoint (any variant)."),
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
@@ -186,7 +184,6 @@ def hf_to_hf_cmd(
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
     _one_process("hf-to-hf")
-    check_dst(dst, [src])
     _steady_memory()
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from .app import app
+from .app import app, io
 
 lora_app = typer.Typer(
     name="lora",
@@ -24,6 +24,7 @@ QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
 @lora_app.command("export")
+@io(reads=["trainer_adapter", "config"], writes=["out"])
 def export_cmd(
     trainer_adapter: Path = typer.Argument(..., metavar="TRAINER_ADAPTER",
                                            help="Megatron torch_dist folder, or a .safetensors dump (file or folder) "
@@ -63,6 +64,7 @@ def export_cmd(
 
 
 @lora_app.command("merge")
+@io(reads=["base", "adapter"], writes=["out"])
 def merge_cmd(
     base: Path = typer.Argument(..., metavar="BASE", help="Release checkpoint folder (BF16, mixed or MXFP8)."),
     adapter: Path = typer.Argument(..., metavar="ADAPTER", help="Adapter folder (adapter_config.json + adapter_model.safetensors)."),
@@ -77,11 +79,9 @@ def merge_cmd(
 
     Each is decoded to float32, merged, and re-encoded in its layer's format with the base's kept scales (NVFP4: per-expert amax and denominator kept; MXFP8: fresh block scales). Untouched tensors, and experts whose delta is zero, keep their bytes: a zero adapter reproduces BASE byte for byte. A few experts in memory at a time; a rerun resumes."""
     from ..lora import merge
-    from ..layouts.paths import check_dst
     from ..lora.merge import plan_merge
 
     if dry_run:
-        check_dst(out, [base, adapter])
         plan = plan_merge(base, adapter)
         if as_json:
             typer.echo(json.dumps(plan, indent=2))

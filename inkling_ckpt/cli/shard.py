@@ -13,8 +13,7 @@ from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
 from ..plan.memory import CATEGORIES, rank_memory, render_ranks
 from ..layouts.limits import MAX_RANKS, check_count
-from ..layouts.paths import check_dst
-from .app import app
+from .app import app, io
 
 _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
@@ -33,6 +32,7 @@ _HELP = "\n\n".join([
 
 
 @app.command("shard", help=_HELP)
+@io(reads=["src"], writes=["dst"])
 def shard_cmd(
     src: str = typer.Argument(..., help="HF checkpoint to split (with --merge: the sharded folder)."),
     dst: Optional[Path] = typer.Argument(None, help="Output folder, published atomically (not needed with --dry-run)."),
@@ -52,7 +52,6 @@ def shard_cmd(
             raise PlanError("--merge takes no --tp/--dry-run: the plan is read from the manifest")
         if dst is None:
             raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
-        check_dst(dst, [src])
         res = merge(src, dst, force=force, progress=not quiet)
         if res.skipped:
             typer.echo(f"{dst}: already holds this merge; nothing to do (--force to redo)")
@@ -88,7 +87,6 @@ def shard_cmd(
         return
     if dst is None:
         raise PlanError("DST is required (or pass --dry-run)")
-    check_dst(dst, [src])
     res = shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet)
     if res.skipped:
         typer.echo(f"{dst}: already holds this shard job; nothing to do (--force to redo)")

@@ -37,8 +37,8 @@ from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
 from ..layouts.hf import DTYPE_TO_ST, HFWriter
 from ..layouts.megatron import (
-    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
-    finish_iteration_dir, stored_config, write_dcp, write_tracker,
+    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
+    empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
 from ..layouts.staging import Staging
 from ..model.inventory import expert_stacks, inventory, is_vision
@@ -278,6 +278,7 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[st
 
 def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
     reader = TorchDistCheckpoint.open(src)
+    check_reference_config(reader.common, reference.config, str(reader.folder))
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan

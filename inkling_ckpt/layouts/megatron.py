@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
 
@@ -112,6 +112,43 @@ def read_stored_config(common: Mapping[str, Any]) -> dict[str, Any] | None:
     ours = common.get(INKLING_KEY)
     config = ours.get(CONFIG_KEY) if isinstance(ours, Mapping) else None
     return dict(config) if isinstance(config, Mapping) else None
+
+
+# Keys that say how a config was saved, not what model it describes: a reference of another
+# precision or transformers version describes the same weights.
+_CONFIG_BOOKKEEPING = frozenset({"quantization_config", "transformers_version", "_name_or_path", "torch_dtype", "dtype",
+                                 "architectures", "auto_map", "use_cache", "vision_config"})
+
+
+def config_differences(kept: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
+    """Dotted names of the model fields where two config.json dicts disagree (bookkeeping keys and
+    the vision config, which a torch_dist folder does not hold, left out)."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for k in sorted(set(a) | set(b), key=str):
+                if k in _CONFIG_BOOKKEEPING:
+                    continue
+                walk(a.get(k), b.get(k), f"{prefix}{k}" if prefix == "" else f"{prefix}.{k}")
+        elif a != b:
+            out.append(prefix.removeprefix("text_config."))
+
+    walk(kept, other, "")
+    return out
+
+
+def check_reference_config(common: Mapping[str, Any], reference: Mapping[str, Any], where: str) -> None:
+    """Refuse a reference whose config describes another model than the one a torch_dist folder keeps
+    (what ``hf-to-megatron`` stored in ``common.pt``): its config would be published with these weights."""
+    kept = read_stored_config(common)
+    if kept is None:
+        return
+    diff = config_differences(kept, reference)
+    if diff:
+        more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+        raise ConfigError(f"{where}: the --reference config describes another model than the one kept in its "
+                          f"{COMMON}: they differ in {', '.join(diff[:3])}{more}; use the release these weights came from")
 
 
 def empty_extra_state() -> bytes:

@@ -43,7 +43,7 @@ import stat
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 from .. import __version__
 from ..errors import InklingError, OutputError
@@ -451,3 +451,21 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def publish_file(path: str | Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write one output file (a report, a plot) atomically and never through a link: ``write``
+    fills a fresh private temporary file beside ``path`` (created exclusively), which then
+    replaces ``path`` by rename (a link at ``path`` is replaced, its target never written)."""
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        raise OutputError(f"{p}: is a folder; give a file name")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".inkling-tmp", dir=p.parent if str(p.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -486,7 +486,7 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
 def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dict, force: bool, progress: bool,
                 measure: bool, passthrough_zero: bool, res: MergeResult) -> None:
     unit_of = {n: u for u in units for n in u.writes}
-    with Staging(dst_p, job, force) as st:
+    with Staging(dst_p, job, force, inputs=[b.root, ad.root]) as st:
         if st.done:
             res.skipped = True
             return
