@@ -922,6 +922,26 @@ def fifo_adapter_config_on_lora_inspect(tmp, built):
     return Bad(["lora", "inspect", ad], "FIFO", "adapter_config.json", inputs=[ad])
 
 
+@case
+def lora_adapter_weights_link_out_of_the_adapter(tmp, built):
+    ad = copy(built["adapter"], tmp / "ad")
+    outside = tmp / "elsewhere.safetensors"
+    shutil.move(ad / "adapter_model.safetensors", outside)
+    (ad / "adapter_model.safetensors").symlink_to(outside)
+    return Bad(["lora", "merge", BF16, ad, tmp / "out", "-q"], "outside the checkpoint folder",
+               "adapter_model.safetensors", inputs=[ad, outside], dst=tmp / "out")
+
+
+@case
+def lora_export_dump_folder_file_links_to_dev_zero(tmp, built):
+    d = tmp / "dump"
+    d.mkdir()
+    shutil.copyfile(_Built.dump_of(tmp / "x"), d / "a.safetensors")
+    (d / "b.safetensors").symlink_to("/dev/zero")
+    return Bad(["lora", "export", d, tmp / "out", "--config", BF16, "-q"], "outside the checkpoint folder",
+               "b.safetensors", inputs=[d], dst=tmp / "out")
+
+
 # ---- 15. the .metadata unpickler builds instances only, every length bounded (issue 15.5) --------------
 
 def _op_str(x: str) -> bytes:
