@@ -1466,3 +1466,22 @@ def test_staging_replaced_by_another_process_is_not_published(tmp_path):
             st.path.mkdir()
             (st.path / "theirs.txt").write_text("2")
     assert not dst.exists()
+
+
+def test_every_writing_command_declares_its_paths():
+    """The DST-against-inputs check runs in one place: each command that writes declares what it
+    reads and writes (cli.app.declares); a new writing command without it fails here."""
+    import inspect
+
+    from inkling_ckpt.cli.app import _register, app
+
+    _register()
+    commands = [(c.name, c.callback) for c in app.registered_commands]
+    for g in app.registered_groups:
+        commands += [(f"{g.typer_instance.info.name} {c.name}", c.callback) for c in g.typer_instance.registered_commands]
+    writers = {name: cb for name, cb in commands
+               if set(inspect.signature(cb).parameters) & {"dst", "out", "plot"}}
+    assert len(writers) >= 9, sorted(writers)
+    undeclared = sorted(name for name, cb in writers.items()
+                        if not any(p in getattr(cb, "declared", ((), ()))[1] for p in ("dst", "out", "plot")))
+    assert undeclared == []

@@ -25,7 +25,7 @@ app = typer.Typer(
 )
 
 
-def io(*, reads: Sequence[str] = (), writes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def declares(*, reads: Sequence[str] = (), writes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare which parameters of a command are paths it reads and which it writes. Before the
     command runs, one check refuses any written path that is, contains or lies inside a read one
     (:func:`~inkling_ckpt.layouts.paths.check_outputs`): sources, ``--config``, ``--reference``,
@@ -40,6 +40,7 @@ def io(*, reads: Sequence[str] = (), writes: Sequence[str] = ()) -> Callable[[Ca
             given = sig.bind_partial(*args, **kwargs).arguments
             check_outputs([given.get(n) for n in writes], [given.get(n) for n in reads])
             return fn(*args, **kwargs)
+        run.declared = (tuple(reads), tuple(writes))  # type: ignore[attr-defined]
         return run
     return wrap
 

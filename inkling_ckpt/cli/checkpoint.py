@@ -18,7 +18,7 @@ from ..layouts.limits import check_count
 from ..model.precision import PrecisionPlan
 from ..model.presets import PRESETS, preset_plan
 from ..model.synth import SynthSource
-from .app import app, io
+from .app import app, declares
 
 
 class Variant(str, Enum):
@@ -61,7 +61,7 @@ def report(result: Result, what: str) -> None:
 
 
 @app.command("make-fixture")
-@io(writes=["out"])
+@declares(writes=["out"])
 def make_fixture(
     out: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
     variant: Variant = typer.Option(Variant.bf16, help="bf16, mixed (NVFP4 then MXFP8 layers), mxfp8 or nvfp4."),
@@ -109,7 +109,7 @@ def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
 
 
 @app.command("quantize")
-@io(reads=["src", "reference"], writes=["dst"])
+@declares(reads=["src", "reference"], writes=["dst"])
 def quantize(
     src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
@@ -133,7 +133,7 @@ def quantize(
 
 
 @app.command("dequantize")
-@io(reads=["src"], writes=["dst"])
+@declares(reads=["src"], writes=["dst"])
 def dequantize(
     src: str = typer.Argument(..., help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),

@@ -18,7 +18,7 @@ from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.limits import check_count
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
-from .app import app, io
+from .app import app, declares
 from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
 
 convert_app = typer.Typer(
@@ -96,7 +96,7 @@ def _scales(value: str) -> str:
 
 
 @convert_app.command("hf-to-megatron")
-@io(reads=["src"], writes=["dst"])
+@declares(reads=["src"], writes=["dst"])
 def hf_to_megatron_cmd(
     src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
     dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
@@ -130,7 +130,7 @@ def hf_to_megatron_cmd(
 
 
 @convert_app.command("megatron-to-hf")
-@io(reads=["src", "reference"], writes=["dst"])
+@declares(reads=["src", "reference"], writes=["dst"])
 def megatron_to_hf_cmd(
     src: Path = typer.Argument(..., help="Megatron torch_dist checkpoint: the save folder or an iteration folder (release/, iter_N/)."),
     dst: Path = typer.Argument(..., help="Destination HF checkpoint folder (published atomically)."),
@@ -166,7 +166,7 @@ def megatron_to_hf_cmd(
 
 
 @convert_app.command("hf-to-hf")
-@io(reads=["src"], writes=["dst"])
+@declares(reads=["src"], writes=["dst"])
 def hf_to_hf_cmd(
     src: str = typer.Argument(..., help="Source HF checkpoint (any variant)."),
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),

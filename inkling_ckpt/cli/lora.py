@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from .app import app, io
+from .app import app, declares
 
 lora_app = typer.Typer(
     name="lora",
@@ -24,7 +24,7 @@ QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 
 
 @lora_app.command("export")
-@io(reads=["trainer_adapter", "config"], writes=["out"])
+@declares(reads=["trainer_adapter", "config"], writes=["out"])
 def export_cmd(
     trainer_adapter: Path = typer.Argument(..., metavar="TRAINER_ADAPTER",
                                            help="Megatron torch_dist folder, or a .safetensors dump (file or folder) "
@@ -64,7 +64,7 @@ def export_cmd(
 
 
 @lora_app.command("merge")
-@io(reads=["base", "adapter"], writes=["out"])
+@declares(reads=["base", "adapter"], writes=["out"])
 def merge_cmd(
     base: Path = typer.Argument(..., metavar="BASE", help="Release checkpoint folder (BF16, mixed or MXFP8)."),
     adapter: Path = typer.Argument(..., metavar="ADAPTER", help="Adapter folder (adapter_config.json + adapter_model.safetensors)."),

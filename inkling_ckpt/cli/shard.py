@@ -13,7 +13,7 @@ from ..layouts.hf import HFCheckpoint, parse_size
 from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
 from ..plan.memory import CATEGORIES, rank_memory, render_ranks
 from ..layouts.limits import MAX_RANKS, check_count
-from .app import app, io
+from .app import app, declares
 
 _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
@@ -32,7 +32,7 @@ _HELP = "\n\n".join([
 
 
 @app.command("shard", help=_HELP)
-@io(reads=["src"], writes=["dst"])
+@declares(reads=["src"], writes=["dst"])
 def shard_cmd(
     src: str = typer.Argument(..., help="HF checkpoint to split (with --merge: the sharded folder)."),
     dst: Optional[Path] = typer.Argument(None, help="Output folder, published atomically (not needed with --dry-run)."),

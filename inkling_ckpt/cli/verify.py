@@ -11,7 +11,7 @@ from typing import Optional
 import typer
 
 from ..errors import ConfigError, PlanError
-from .app import app, io
+from .app import app, declares
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
 # tensor comparison, and the tensor mode nothing of transformers); --help must not need them.
@@ -42,7 +42,7 @@ _HELP = "\n\n".join([
 
 
 @app.command("verify", help=_HELP)
-@io(reads=["a", "b", "tokens", "config"], writes=["plot"])
+@declares(reads=["a", "b", "tokens", "config"], writes=["plot"])
 def verify_cmd(
     a: str = typer.Argument(..., metavar="CKPT_A", help="Reference checkpoint (e.g. the BF16 source)."),
     b: str = typer.Argument(..., metavar="CKPT_B", help="Checkpoint to measure against A."),
