@@ -15,7 +15,6 @@ from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf,
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint, parse_size
-from ..layouts.limits import check_count
 from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app, declares

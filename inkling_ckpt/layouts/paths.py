@@ -18,10 +18,11 @@ Outputs are checked against every input by :func:`check_dst` (folders) and
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from ..errors import CheckpointError, OutputError
 
@@ -109,7 +110,7 @@ def check_regular(p: Path, where: str | None = None) -> Path:
     return p
 
 
-def open_regular(p: Path, limit: int | None = None, buffering: int = -1) -> BinaryIO:
+def open_regular(p: Path, limit: int | None = None, buffering: int = -1) -> io.BufferedReader | io.FileIO:
     """Open a file for reading that must be a regular file: checked first, opened with
     ``O_NONBLOCK`` (a FIFO swapped in meanwhile cannot block), then ``fstat``-checked. ``limit``:
     refuse files larger than this many bytes (configs, manifests)."""
@@ -126,7 +127,7 @@ def open_regular(p: Path, limit: int | None = None, buffering: int = -1) -> Bina
         os.close(fd)
         raise CheckpointError(f"{p}: {st.st_size} bytes, more than the {limit} such a file may hold")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb", buffering=buffering)
+    return os.fdopen(fd, "rb", buffering=buffering)  # type: ignore[return-value]  # "rb": FileIO or BufferedReader
 
 
 def check_file_inside(root: Path, p: Path, where: str) -> None:
