@@ -950,9 +950,10 @@ def _op_str(x: str) -> bytes:
 
 
 def _build_on(module: str, name: str, attr: str) -> bytes:
-    """A protocol-4 pickle: push the global ``module.name`` and BUILD {attr: True} onto it."""
-    return (b"\x80\x04" + _op_str(module) + _op_str(name) + b"\x93" + b"}" + _op_str(attr) + b"\x88" + b"s"
-            + b"b" + b".")
+    """A protocol-4 pickle: push the global ``module.name`` and BUILD (None, {attr: True}) onto it: the
+    "slot state" form, which pickle applies with setattr (it works on a class object)."""
+    return (b"\x80\x04" + _op_str(module) + _op_str(name) + b"\x93" + b"N}" + _op_str(attr) + b"\x88" + b"s"
+            + b"\x86" + b"b" + b".")
 
 
 def _class_untouched(module: str, name: str, attr: str) -> Callable[[], str | None]:
@@ -1153,6 +1154,9 @@ def test_bad_input(name, tmp_path, built, cli, monkeypatch):
             os.close(_HELD.pop())
     if bad.marker is not None:  # first: code that ran (or a file written outside DST) is the worst outcome
         assert not bad.marker.exists(), f"the payload ran: {bad.marker} exists"
+    if bad.intact is not None:  # so is a payload that changed this process's classes
+        damage = bad.intact()
+        assert damage is None, damage
     lines = [line for line in err.splitlines() if line.strip()]
     assert code != 0, f"exit 0 on bad input; stderr: {err!r}"
     assert "Traceback" not in err, err
@@ -1164,9 +1168,6 @@ def test_bad_input(name, tmp_path, built, cli, monkeypatch):
     if bad.dst is not None:
         leftovers = [p.name for p in bad.dst.parent.glob(f".{bad.dst.name}.inkling-*") if p not in bad.inputs]
         assert not leftovers, f"left behind: {leftovers}"
-    if bad.intact is not None:
-        damage = bad.intact()
-        assert damage is None, damage
 
 
 # ---- the good side of the same classes ----------------------------------------------------------------------
