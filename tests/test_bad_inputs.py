@@ -719,11 +719,9 @@ def quantize_dst_contains_the_reference(tmp, built):
 
 
 @case
-def verify_plot_overwrites_the_tokens_file(tmp, built):
-    tokens = tmp / "tokens.json"
-    tokens.write_text("[[1, 2, 3]]")
-    return Bad(["verify", BF16, BF16, "--plot", tokens, "--tokens", tokens, "-q"], "is the input", "tokens.json",
-               inputs=[tokens, BF16])
+def verify_plot_is_an_input_folder(tmp, built):
+    b = copy(MIXED, tmp / "b.png")  # a checkpoint folder whose name looks like a plot
+    return Bad(["verify", BF16, b, "--plot", b, "-q"], "is the input", "b.png", inputs=[b, BF16])
 
 
 @case
