@@ -364,13 +364,23 @@ def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     f = mg / "release" / "__3_0.distcp"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     _fails(cli, tmp_path, "convert", "megatron-to-hf", mg, dst, "--reference", ref, match="__3_0.distcp")
-    # a reference of another model: the checkpoint holds layers the reference does not have
+    # a reference of another model: its config differs from the one the folder keeps (named fields)
     two = _reference(tmp_path, "two", layers=2)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", two,
-           match="no preset miles rule uses decoder.layers.2.")
-    # a tensor of the wrong global shape
+           match="differ in layer_types, num_hidden_layers")
     e4 = _reference(tmp_path, "e4", experts=4)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", e4,
+           match="n_routed_experts")
+    # a folder that keeps no config: the tensors themselves are checked against the reference
+    bare = _copy(megatron["mixed"], tmp_path / "bare")
+    common = torch.load(bare / "release" / "common.pt", weights_only=True)
+    common.pop("inkling", None)
+    torch.save(common, bare / "release" / "common.pt")
+    for p in (bare / "release").glob("*.sha256"):
+        p.unlink()  # (a foreign folder has no sidecars either)
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", two,
+           match="no preset miles rule uses decoder.layers.2.")
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", e4,
            match="decoder.layers.0.mlp.router.weight is [8, 256]")
 
 

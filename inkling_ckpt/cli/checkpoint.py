@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .options import (CONFIG, DEVICE, DRY_RUN, FORCE, JSON, NONFINITE, PLAN_HELP, QUIET, REVISION, SHARD_SIZE, SLICE_MB,
                       TOKEN, VERBOSE, WORKERS, Scales, Size, Variant, emit, hub, joined, render_job, setup)
 
@@ -21,6 +21,7 @@ def report(rep: dict[str, Any], as_json: bool) -> None:
 
 
 @app.command("make-fixture")
+@declares(writes=["out"])
 def make_fixture(
     out: Path = typer.Argument(..., metavar="OUT", help="Folder to write the checkpoint (or with --lora the adapter "
                                                        "dump) into."),
@@ -90,6 +91,7 @@ def inspect_cmd(
 
 
 @app.command("quantize")
+@declares(reads=["src", "reference"], writes=["dst"])
 def quantize(
     src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (BF16, or already quantized)."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),
@@ -128,6 +130,7 @@ def quantize(
 
 
 @app.command("dequantize")
+@declares(reads=["src"], writes=["dst"])
 def dequantize(
     src: str = typer.Argument(..., metavar="SRC", help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder for the BF16 checkpoint."),

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .checkpoint import report
 from .options import (DEVICE, SLICE_MB, WORKERS, joined, DRY_RUN, FORCE, JSON, NONFINITE, PLAN_HELP, PRESET, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE,
                       Preset, Scales, hub, setup)
@@ -49,6 +49,7 @@ def _rank() -> int:
 
 
 @convert_app.command("hf-to-megatron")
+@declares(reads=["src"], writes=["dst"])
 def hf_to_megatron_cmd(
     src: str = typer.Argument(..., metavar="SRC", help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or "
                                                        "mixed."),
@@ -92,6 +93,7 @@ def hf_to_megatron_cmd(
 
 
 @convert_app.command("megatron-to-hf")
+@declares(reads=["src", "reference"], writes=["dst"])
 def megatron_to_hf_cmd(
     src: Path = typer.Argument(..., metavar="SRC", help="Megatron torch_dist checkpoint: the save folder or an "
                                                         "iteration folder (release/, iter_N/)."),
@@ -138,6 +140,7 @@ def megatron_to_hf_cmd(
 
 
 @convert_app.command("hf-to-hf")
+@declares(reads=["src"], writes=["dst"])
 def hf_to_hf_cmd(
     src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (any variant)."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),

@@ -35,8 +35,8 @@ import torch
 from .. import __version__
 from ..errors import CheckpointError, PlanError
 from ..layouts.megatron import (
-    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
-    finish_iteration_dir, stored_config, write_dcp, write_tracker,
+    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
+    empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
 from ..layouts.torch_dist_release import check_torch_dist
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory, is_vision
@@ -209,6 +209,7 @@ def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:
 
 def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
     reader = TorchDistCheckpoint.open(src)
+    check_reference_config(reader.common, reference.config, str(reader.folder))
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
     plan = plan or reference.plan

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import AdapterError, CheckpointError, ConfigError
 from ..layouts.hf import DTYPE_TO_ST, read_header
+from ..layouts.pread import TensorFile
 from ..layouts.staging import Staging
 from .manifest import MANIFEST_FILE, write_manifest
 from .schema import ENGINE_WRAPPERS, SCHEMA, ModelDims, Schema
@@ -32,56 +32,15 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def read_json(path: Path, what: str) -> Any:
+    from ..layouts.paths import open_regular  # never a FIFO or a device: refused, not read
+
     try:
-        return json.loads(path.read_text())
+        with open_regular(path, limit=1 << 30) as f:
+            return json.loads(f.read())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
     except ValueError:
         raise CheckpointError(f"{path}: {what} is not valid JSON") from None
-
-
-class TensorFile:
-    """A safetensors file read with plain ``pread`` at the header's offsets, never memory-mapped:
-    what was read is not kept resident, so memory stays bounded by the tensors held (a mapped
-    file's touched pages would count in the process's RSS and grow with the file)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.entries = read_header(path)  # name -> (shape, dtype, absolute offset), sizes checked
-        self._fd: int | None = None
-        self._lock = threading.Lock()  # opened lazily, maybe by several reading threads at once
-
-    def read(self, name: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or rows ``lo:hi`` of its first dimension."""
-        shape, dtype, offset = self.entries[name]
-        if lo is None:
-            lo, hi, lead = 0, None, shape
-        else:
-            if hi is None:
-                hi = shape[0]
-            lead = (hi - lo, *shape[1:])
-        row = _nbytes(shape[1:], dtype) if shape else 0
-        n = _nbytes(lead, dtype)
-        with self._lock:
-            if self._fd is None:
-                try:
-                    self._fd = os.open(self.path, os.O_RDONLY)
-                except OSError as e:
-                    raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
-        buf = bytearray(n)
-        view, got, pos = memoryview(buf), 0, offset + lo * row
-        while got < n:
-            k = os.preadv(self._fd, [view[got:]], pos + got)
-            if k <= 0:
-                raise CheckpointError(f"{self.path}: truncated inside {name}")
-            got += k
-        t = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        return t.view(dtype).reshape(lead)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def load_dims(path: str | Path) -> ModelDims:
@@ -125,7 +84,9 @@ class TrainerSource:
             raise CheckpointError(f"{p}: no such file or folder")
         if p.is_file():
             return SafetensorsSource([p])
-        files = sorted(p.glob("*.safetensors"))
+        from ..layouts.paths import inside
+
+        files = [inside(p, f.name, str(p)) for f in sorted(p.glob("*.safetensors"))]
         if files:
             return SafetensorsSource(files)
         return TorchDistSource(p, num_layers)
@@ -254,8 +215,11 @@ class Adapter:
 
     @classmethod
     def open(cls, path: str | Path) -> "Adapter":
+        from ..layouts.paths import inside
+
         root = Path(path)
-        cfg_path, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
+        # inside the folder (no link out), regular files (a FIFO would block): refused in one line
+        cfg_path, weights = inside(root, CONFIG_FILE, str(root)), inside(root, WEIGHTS_FILE, str(root))
         if not cfg_path.is_file() or not weights.is_file():
             raise CheckpointError(f"{root}: not an adapter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
         config = read_json(cfg_path, "adapter config")

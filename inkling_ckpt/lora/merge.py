@@ -18,7 +18,6 @@ at a time (a rerun resumes from the finished groups), published by rename.
 from __future__ import annotations
 
 import math
-import shutil
 import threading
 import time
 from collections import defaultdict
@@ -34,11 +33,12 @@ from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
-from ..layouts.paths import check_dst, inside
+from ..layouts.paths import check_dst, copy_new, inside, open_regular, pass_through
+from ..layouts.pread import TensorFile
 from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
-from .io import Adapter, TensorFile, read_json
+from .io import Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"
@@ -374,7 +374,7 @@ class _Merger:
         return self.linear(s.unit, s.lo, s.hi) if s.kind == "linear" else self.experts(s.unit, s.lo, s.hi)
 
     def _read(self, f: str, a: int, b: int) -> bytes:
-        with open(self.base.root / f, "rb") as src:
+        with open_regular(self.base.root / f) as src:
             src.seek(a)
             data = src.read(b - a)
         if len(data) != b - a:
@@ -629,17 +629,13 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
         return local
 
     def finish(stage: Stage, _: Any) -> None:
+        # config, index, tokenizer, subfolders, …: carried verbatim by the one pass-through rule
+        # (shards, in a subfolder too, were written by the ranks)
         shards = set(b.files)
-        for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
-            if p.name.startswith(".") or p.name in b.files:
-                continue
-            if p.is_dir():  # (shards in a subfolder were written by the ranks: not copied over)
-                shutil.copytree(p, stage.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
-                    n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
-            elif p.is_file():
-                shutil.copyfile(p, stage.path / p.name)
+        for rel, p in pass_through(b.root, skip=shards.__contains__, subfolders=True).items():
+            copy_new(p, stage.path / rel)
 
-    outcome = run_staged(dst_p, job, ex.world, work, finish, force=force)
+    outcome = run_staged(dst_p, job, ex.world, work, finish, force=force, inputs=[b.root, ad.root])
     res = MergeResult(dst_p, skipped=outcome.skipped)
     if outcome.skipped:
         return res

@@ -37,9 +37,12 @@ class Stage:
         return self.resumed and (self.path / _rel(relpath)).is_file()
 
     def partial(self, relpath: str) -> Path:
-        """Where to write a file before :meth:`finish` makes it count as complete."""
+        """Where to write a file before :meth:`finish` makes it count as complete. A regular file
+        already there is kept (its finished pieces resume); anything else (a link) is removed first."""
         p = self.path / (_rel(relpath) + ".partial")
         p.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
+            p.unlink()
         return p
 
     def finish(self, relpath: str) -> None:
