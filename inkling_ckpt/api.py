@@ -255,7 +255,7 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
 # ---- TP/EP sharding -----------------------------------------------------------------------------
 
 def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_shard_size: int | str = "5GB",
-          force: bool = False, dry_run: bool = False, progress: bool = False) -> dict[str, Any]:
+          force: bool = False, dry_run: bool = False, progress: bool = False, workers: int = 0) -> dict[str, Any]:
     """Split an HF checkpoint into one folder per TP rank (experts EP-sliced); ``dry_run`` needs no ``dst``."""
     from .layouts import sharded
     from .layouts.hf import HFCheckpoint, parse_size
@@ -278,9 +278,11 @@ def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_
                     checkpoint_bytes_by_category=by_cat)
     if dst is None:
         raise PlanError("shard needs DST (or dry_run)")
-    res = sharded.shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=progress)
+    res = sharded.shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=progress,
+                        options=_options("cpu", 64, workers, progress))
     return _job("shard", res, src, parallel_plan={"tp": tp, "ep": ep}, tensors=res.tensors,
-                source_bytes=res.source_bytes, bytes=res.written_bytes, rank_bytes=list(res.rank_bytes))
+                source_bytes=res.source_bytes, bytes=res.written_bytes, rank_bytes=list(res.rank_bytes),
+                **_figures(res))
 
 
 def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_run: bool = False,

@@ -405,9 +405,10 @@ def test_interrupted_merge_resumes(tiny_release, tmp_path, monkeypatch):
     assert merge(tmp_path / "sh", tmp_path / "back", progress=False).skipped
 
 
-def test_two_ranks_merge_the_source_bytes_and_report_both(tiny_release, cli, tmp_path):
-    """``shard --merge`` under torchrun: the ranks split the source files (a sharded source of
-    several shard files), the result is the source byte for byte, the closing line says "2 ranks"."""
+def test_two_ranks_shard_and_merge_the_one_process_bytes(tiny_release, cli, tmp_path):
+    """``shard`` and ``shard --merge`` under torchrun: each process writes whole rank folders (and
+    hashes some source files) / rebuilds some source files; the folders are the one-process ones
+    byte for byte (the manifest included), the merge gives the source back, each process did a share."""
     import subprocess
     import sys
 
@@ -415,21 +416,30 @@ def test_two_ranks_merge_the_source_bytes_and_report_both(tiny_release, cli, tmp
 
     from transformers import Inkling2ForConditionalGeneration
 
-    src = tmp_path / "src"
+    src = tmp_path / "src"  # several source shard files, so both processes hash and rebuild some
     Inkling2ForConditionalGeneration.from_pretrained(tiny_release["bf16"], dtype=torch.bfloat16).save_pretrained(
         src, max_shard_size="150KB")
     assert len(list(src.glob("model-*.safetensors"))) > 2
-    shard(src, tmp_path / "sh", 2, 2, progress=False)
-    code, out, err = cli("shard", "--merge", tmp_path / "sh", tmp_path / "one", "--workers", "2")
-    assert code == 0, err
-    assert "byte-identical" in out and " MB/s; cpu)" in out and _files(tmp_path / "one") == _files(src)
+
+    def jobs(out: Path) -> list[list[str]]:
+        return [["shard", str(src), str(out / "sh"), "--tp", "2", "--ep", "2", "--max-shard-size", "50KB", "-q"],
+                ["shard", "--merge", str(out / "sh"), str(out / "back"), "-q"]]
+
+    for job in jobs(tmp_path / "one"):
+        code, out, err = cli(*job, "--workers", "2")
+        assert code == 0, err
+        assert " MB/s; cpu)" in out and "; 2 ranks;" not in out
     spec = tmp_path / "jobs.json"
-    spec.write_text(json.dumps([["shard", "--merge", str(tmp_path / "sh"), str(tmp_path / "two"), "-q"]]))
+    spec.write_text(json.dumps(jobs(tmp_path / "two")))
     r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
                         free_port(), str(Path(__file__).parent / "_ranks_driver.py"), str(spec)],
                        env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert _files(tmp_path / "two") == _files(src)
-    assert "2 ranks" in r.stdout
-    rep = json.loads(r.stdout.split("RESULT ", 1)[1])[0]
-    assert rep["ranks"]["count"] == 2 and all(each["bytes_written"] > 0 for each in rep["ranks"]["each"])
+    one, two = tmp_path / "one" / "sh", tmp_path / "two" / "sh"
+    rels = sorted(str(p.relative_to(one)) for p in one.rglob("*") if p.is_file() and ".cache" not in p.parts)
+    assert rels == sorted(str(p.relative_to(two)) for p in two.rglob("*") if p.is_file() and ".cache" not in p.parts)
+    assert [rel for rel in rels if (one / rel).read_bytes() != (two / rel).read_bytes()] == []
+    assert _files(tmp_path / "two" / "back") == _files(src)
+    assert "; 2 ranks;" in r.stdout
+    for rep in json.loads(r.stdout.split("RESULT ", 1)[1]):
+        assert rep["ranks"]["count"] == 2 and all(each["bytes_written"] > 0 for each in rep["ranks"]["each"]), rep

@@ -66,10 +66,11 @@ def shard_cmd(
         raise PlanError("--tp is required (and --ep, default 1)")
     if dst is None and not dry_run:
         raise PlanError("DST is required (or pass --dry-run)")
-    with hub(revision, token):
+    with hub(revision, token), joined(dry_run):
         rep = api.shard(src, dst, tp=tp, ep=ep, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
-                        progress=not quiet)
-    emit(rep, as_json, _render_dry_run if dry_run else _render_shard)
+                        progress=not quiet, workers=workers)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
+        emit(rep, as_json, _render_dry_run if dry_run else _render_shard)
 
 
 def _render_shard(rep: dict[str, Any]) -> str:
@@ -80,7 +81,7 @@ def _render_shard(rep: dict[str, Any]) -> str:
     how = "resumed and finished" if rep["status"] == "resumed" else "wrote"
     return (f"{how} {rep['output']}: {rep['parallel_plan']['tp']} ranks, {rep['tensors']} tensors, "
             f"{fmt_bytes(rep['source_bytes'])} in, {fmt_bytes(rep['bytes'])} over all ranks "
-            f"(largest rank {fmt_bytes(max(rep['rank_bytes']))})")
+            f"(largest rank {fmt_bytes(max(rep['rank_bytes']))})" + figures(rep))
 
 
 def _render_merge(rep: dict[str, Any]) -> str:

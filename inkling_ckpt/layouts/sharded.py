@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import torch
 
@@ -54,7 +54,6 @@ from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
 from .paths import check_name, copy_new, inside, open_regular, pass_through
-from .staging import DONE_FILE, JOB_FILE, Staging
 
 MANIFEST = "inkling-shard.json"
 FORMAT = "inkling-ckpt/sharded"
@@ -172,7 +171,7 @@ class _Hasher:
 class _RankStaging:
     """A rank's sub-folder of the job's staging folder, shaped like :class:`Staging` for HFWriter."""
 
-    def __init__(self, st: Staging, sub: str, hasher: _Hasher | None = None):
+    def __init__(self, st: Any, sub: str, hasher: _Hasher | None = None):
         self.st, self.sub, self.hasher = st, sub, hasher
         self.path = st.path / sub
         self.path.mkdir(parents=True, exist_ok=True)
@@ -192,11 +191,9 @@ class _RankStaging:
 # ---- shard --------------------------------------------------------------------------------
 
 @dataclass
-class ShardResult:
-    dst: Path
-    skipped: bool = False
-    resumed: bool = False
-    tensors: int = 0
+class ShardResult(Result):
+    """What ``shard`` did: the pipeline's figures, the source's bytes and each rank folder's."""
+
     source_bytes: int = 0
     written_bytes: int = 0
     rank_bytes: list[int] = dataclasses.field(default_factory=list)
@@ -214,106 +211,172 @@ def _source_files(ckpt: HFCheckpoint) -> tuple[list[str], list[str]]:
     return shards, small
 
 
+@dataclass(frozen=True)
+class _ShardStep:
+    """One unit of ``shard`` (its ``data``): rows ``lo:hi`` of source tensor ``tensor`` of ``file``
+    (``kind`` "rows"; "empty" for a tensor of no bytes), or the ``end`` of a source file (the
+    bytes after its last tensor, then its sha256)."""
+
+    kind: str
+    file: str
+    tensor: str = ""
+    lo: int = 0
+    hi: int = 0
+
+
 def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size: int | str = "5GB",
-          force: bool = False, progress: bool = True) -> ShardResult:
-    """Split the HF checkpoint ``src`` for ``(tp, ep)`` into ``dst`` (atomic; resumable)."""
+          force: bool = False, progress: bool = True, options: Options | None = None) -> ShardResult:
+    """Split the HF checkpoint ``src`` for ``(tp, ep)`` into ``dst`` (atomic; resumable).
+
+    Runs through :mod:`inkling_ckpt.pipeline`: one unit per block of dim-0 rows of each source
+    tensor, read on ``--workers`` threads and handed in file order to every rank folder holding a
+    piece of it. Under torchrun each process writes whole rank folders, and one process per source
+    file hashes it for the manifest (written by rank 0)."""
+    t0 = time.perf_counter()
     ckpt = HFCheckpoint.open(src)
     plan = plan_checkpoint(ckpt, tp, ep)
     shards, small = _source_files(ckpt)
     headers = {f: raw_header(ckpt.root / f) for f in shards}
     result = ShardResult(Path(dst), tensors=len(plan.placements))
     job = {"command": "shard", "source": ckpt.describe(), "tp": tp, "ep": ep, "max_shard_size": str(max_shard_size)}
-    with Staging(dst, job, force=force) as st:
-        if st.done:
-            result.skipped = True
-            return result
-        result.resumed = st.resumed
-        hasher = _Hasher(st.path)
+    ex = Executor(options or Options(progress=progress), desc=f"shard tp{tp} ep{ep}")
+    rank_bytes = plan.rank_bytes()
+    folder_of = assign({r: rank_bytes[r] for r in plan.parallel.ranks}, ex.world.size)  # rank folder -> process
+    hasher_of = assign({f: (ckpt.root / f).stat().st_size for f in shards}, ex.world.size)  # source file -> process
+    units = _shard_units(headers)
+    by_name = {p.name: p for p in plan.placements}
+
+    def transform(unit: Unit) -> torch.Tensor | None:
+        s: _ShardStep = unit.data
+        return as_bytes(ckpt.read_rows(s.tensor, s.lo, s.hi)) if s.kind == "rows" else None
+
+    def work(stage: Stage) -> None:
+        me = stage.rank
+        hasher = _Hasher(stage.path)
         try:
-            _shard_into(st, ckpt, plan, shards, small, headers, hasher, max_shard_size, progress, result)
+            writers: dict[int, HFWriter] = {}
+            for r in plan.parallel.ranks:
+                if folder_of[r] == me:
+                    local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
+                    writers[r] = HFWriter(_RankStaging(stage, rank_dir(r), hasher), local, max_shard_size)
+            wanted = {p.name: [r for r in p.ranks() if r in writers and writers[r].needed(p.name)]
+                      for p in plan.placements}
+            todo = [u for u in units if hasher_of[u.data.file] == me or (u.data.kind != "end" and wanted[u.data.tensor])]
+            source_info: dict[str, dict[str, Any]] = {}
+            hashes: dict[str, Any] = {}  # source file -> [sha256, position hashed up to], for the files this process hashes
+
+            def sink(unit: Unit, block: torch.Tensor | None) -> None:
+                s: _ShardStep = unit.data
+                f = s.file
+                header = headers[f]
+                if hasher_of[f] == me:
+                    if f not in hashes:
+                        hashes[f] = _shard_file(ckpt, f, header)
+                    h = hashes[f]
+                    if s.kind == "end":
+                        _hash_to(ckpt.root / f, h, None)
+                        source_info[f] = {"bytes": (ckpt.root / f).stat().st_size, "sha256": h[0].hexdigest()}
+                        return
+                    if s.lo == 0:  # bytes between tensors (not written by our writers, kept by the hash)
+                        _hash_to(ckpt.root / f, h, header.data_start + header.entries[s.tensor][2])
+                    if block is not None:
+                        h[0].update(memoryview(block.reshape(-1).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+                        h[1] += block.numel()
+                if s.kind == "end":
+                    return
+                p = by_name[s.tensor]
+                for rank in wanted[s.tensor]:
+                    if s.kind == "empty":
+                        writers[rank].write(s.tensor, torch.empty(p.local_shape, dtype=p.spec.dtype))
+                    elif block is not None:
+                        _hand_rows(p, rank, block, s.lo, s.hi, writers[rank])
+
+            try:
+                ex.run(todo, transform, sink)
+            finally:
+                for w in writers.values():
+                    w.abort()
+            for r, w in writers.items():
+                w.close()
+                _write_rank_index(w, plan, r)
+            rels = sorted(str(q.relative_to(stage.path)) for r in writers for q in (stage.path / rank_dir(r)).rglob("*")
+                          if q.is_file() and not q.name.endswith(".partial"))
+            (stage.path / f".shard-{me}.json").write_text(json.dumps({"source": source_info,
+                                                                      "files": hasher.results(rels)}))
         finally:
             hasher.close()
+
+    def finish(stage: Stage, _: None) -> None:
+        source_info: dict[str, dict[str, Any]] = {}
+        files: dict[str, Any] = {}
+        for proc in range(ex.world.size):  # what every process wrote and hashed (one shared folder)
+            got = json.loads((stage.path / f".shard-{proc}.json").read_text())
+            source_info.update(got["source"])
+            files.update(got["files"])
+        for part in stage.path.glob(".shard-*.json"):  # (an interrupted run on more processes left more)
+            part.unlink()
+        (stage.path / HEADERS_DIR).mkdir(parents=True, exist_ok=True)
+        for f in shards:
+            (stage.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
+            files[f"{HEADERS_DIR}/{f}.header"] = {"bytes": len(headers[f].blob),
+                                                   "sha256": hashlib.sha256(headers[f].blob).hexdigest()}
+            source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
+        for name in small:
+            copy_new(ckpt.root / name, stage.path / SOURCE_DIR / name)
+            source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
+                                 "sha256": sha256_file(ckpt.root / name)}
+            files[f"{SOURCE_DIR}/{name}"] = dict(source_info[name])
+        # the rank folders' tensor files first, then the rest (indexes, header copies, source files)
+        ordered = sorted(files, key=lambda rel: (not (rel.startswith("rank-") and rel.endswith(".safetensors")), rel))
+        manifest = build_manifest(ckpt, plan, {f: source_info[f] for f in [*shards, *small]},
+                                  {rel: files[rel] for rel in ordered}, headers)
+        (stage.path / MANIFEST).write_text(dump_manifest(manifest))
+
+    outcome = run_staged(dst, job, ex.world, work, finish, force=force)
+    result.skipped = outcome.skipped
+    if not outcome.skipped:
+        result.add_ranks(ex.finish(), seconds=time.perf_counter() - t0)
+        result.resumed = bool(outcome.stage and outcome.stage.resumed)
+        result.source_bytes = sum(p.spec.nbytes for p in plan.placements)
+        result.rank_bytes = [rank_bytes[r] for r in plan.parallel.ranks]
+        result.written_bytes = sum(result.rank_bytes)
+        result.bytes = result.written_bytes
     return result
 
 
-def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[str], small: list[str],
-                headers: dict[str, RawHeader], hasher: _Hasher, max_shard_size: int | str, progress: bool,
-                result: ShardResult) -> None:
-    tp, ep = plan.tp, plan.parallel.ep
-    writers = []
-    for r in plan.parallel.ranks:
-        local = [dataclasses.replace(p.spec, shape=p.local_shape) for p in plan.for_rank(r)]
-        writers.append(HFWriter(_RankStaging(st, rank_dir(r), hasher), local, max_shard_size))
-    by_name = {p.name: p for p in plan.placements}
-    total = sum(p.spec.nbytes for p in plan.placements)
-    source_info: dict[str, dict[str, Any]] = {}
-    with ByteProgress(total, desc=f"shard tp{tp} ep{ep}", enabled=progress) as bar:
-        try:
-            for f in shards:
-                source_info[f] = _shard_file(ckpt, f, headers[f], by_name, writers, bar.advance)
-        finally:
-            for w in writers:
-                w.abort()
-        for r, w in enumerate(writers):
-            w.close()
-            _write_rank_index(w, plan, r)
-    (st.path / HEADERS_DIR).mkdir(parents=True, exist_ok=True)
-    for f in shards:
-        (st.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
-        source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
-    for name in small:
-        copy_new(ckpt.root / name, st.path / SOURCE_DIR / name)
-        source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
-                             "sha256": sha256_file(ckpt.root / name)}
-    rels = sorted(str(p.relative_to(st.path)) for p in st.path.rglob("*")
-                  if p.is_file() and p.name not in (JOB_FILE, DONE_FILE, MANIFEST))
-    manifest = build_manifest(ckpt, plan, source_info, hasher.results(rels), headers)
-    (st.path / MANIFEST).write_text(dump_manifest(manifest))
-    result.source_bytes = total
-    result.rank_bytes = [r["bytes"] for r in manifest["ranks"]]
-    result.written_bytes = sum(result.rank_bytes)
-
-
-def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader, by_name: dict[str, Placement],
-                writers: list[HFWriter], advance: Callable[[int], None]) -> dict[str, Any]:
-    """Stream one source shard in file order, in blocks of rows: hash every byte, hand each
-    block's part of every rank's piece to that rank."""
-    path = ckpt.root / file
-    h = hashlib.sha256(header.blob)
-    pos = header.data_start
-    # The hash of block i runs on a helper thread while block i is written (one in flight).
-    pool = ThreadPoolExecutor(max_workers=1)
-    pending = None
-    with open(path, "rb") as f, pool:
+def _shard_units(headers: dict[str, RawHeader]) -> list[Unit]:
+    """Every source file's tensors in file order, in blocks of rows, then the file's end."""
+    units: list[Unit] = []
+    for f, header in headers.items():
         for name in header.in_offset_order():
             shape, dtype, a, b = header.entries[name]
-            start = header.data_start + a
-            if start > pos:  # bytes between tensors (not written by our writers, kept by the hash)
-                if pending is not None:
-                    pending.result()
-                    pending = None
-                f.seek(pos)
-                h.update(f.read(start - pos))
-            p = by_name[name]
-            wanted = [r for r in p.ranks() if writers[r].needed(name)]
-            for r0, r1 in row_blocks(shape, dtype) if b > a else []:
-                block = as_bytes(ckpt.read_rows(name, r0, r1))
-                if pending is not None:
-                    pending.result()
-                pending = pool.submit(h.update, memoryview(block.reshape(-1).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
-                for rank in wanted:
-                    _hand_rows(p, rank, block, r0, r1, writers[rank])
-                advance(block.numel())
             if b == a:  # an empty tensor has no rows to stream
-                for rank in wanted:
-                    writers[rank].write(name, torch.empty(p.local_shape, dtype=dtype))
-            pos = header.data_start + b
-        if pending is not None:
-            pending.result()
-        f.seek(pos)
-        while chunk := f.read(_HASH_CHUNK):  # anything after the last tensor
-            h.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+                units.append(Unit(f"{f}:{name}", f, 0, 0, (), _ShardStep("empty", f, name)))
+                continue
+            row = (b - a) // shape[0] if shape and shape[0] else b - a
+            for r0, r1 in row_blocks(shape, dtype):
+                n = row * (r1 - r0) if shape else b - a
+                units.append(Unit(f"{f}:{name}[{r0}:{r1}]", f, n, n, (), _ShardStep("rows", f, name, r0, r1)))
+        units.append(Unit(f"{f}:end", f, 0, 0, (), _ShardStep("end", f)))
+    return units
+
+
+def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader) -> list[Any]:
+    """Start hashing source shard ``file``: [its sha256 so far (the header), the position hashed up to]."""
+    return [hashlib.sha256(header.blob), header.data_start]
+
+
+def _hash_to(path: Path, h: list[Any], stop: int | None) -> None:
+    """Hash the bytes of ``path`` from where ``h`` stands up to ``stop`` (None: the end of the file)."""
+    if stop is not None and stop <= h[1]:
+        return
+    with open_regular(path) as f:
+        f.seek(h[1])
+        while chunk := f.read(_HASH_CHUNK if stop is None else min(_HASH_CHUNK, stop - h[1])):
+            h[0].update(chunk)
+            h[1] += len(chunk)
+            if stop is not None and h[1] >= stop:
+                break
 
 
 def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: HFWriter) -> None:
