@@ -179,9 +179,13 @@ def _jobs(out: Path) -> list[list[str]]:
 
 
 def _same_tree(a: Path, b: Path) -> list[str]:
+    """Files that differ, the done record excepted (it digests the files' times, not the checkpoint)."""
     import filecmp
 
-    files = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
+    def files_of(root: Path) -> set[Path]:
+        return {p.relative_to(root) for p in root.rglob("*") if p.is_file() and ".cache" not in p.relative_to(root).parts}
+
+    files = files_of(a) | files_of(b)
     return sorted(str(f) for f in files
                   if not (a / f).is_file() or not (b / f).is_file() or not filecmp.cmp(a / f, b / f, shallow=False))
 
