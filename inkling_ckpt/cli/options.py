@@ -154,12 +154,12 @@ def render_job(rep: dict[str, Any]) -> str:
         how = "resumed and finished" if rep["status"] == "resumed" else "wrote"
         parts = [f"{rep['tensors']} tensors" if "tensors" in rep else None,
                  fmt_bytes(rep["bytes"]) if "bytes" in rep else None]
-        lines = [f"{how} {rep['output']}: " + ", ".join(p for p in parts if p) + figures(rep)]
+        lines = [f"{how} {rep['output']}: " + ", ".join(p for p in parts if p) + _figures(rep)]
     lines += [f"note: {n}" for n in rep.get("notes", [])]
     return "\n".join(lines)
 
 
-def figures(rep: dict[str, Any]) -> str:
+def _figures(rep: dict[str, Any]) -> str:
     """The closing line's figures of a pipeline job: time, bytes read and written, rate, reuse, ranks, device."""
     if "seconds" not in rep:
         return ""
@@ -197,3 +197,8 @@ def hub(revision: Optional[str], token: Optional[str]) -> Any:
     from ..layouts.hub import hub_access
 
     return hub_access(revision=revision, token=token)
+
+
+def figures(rep: dict[str, Any]) -> str:
+    """The closing line's figures, for a command that renders its own line (``lora merge``, ``shard``)."""
+    return _figures(rep)
