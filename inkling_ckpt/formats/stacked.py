@@ -424,7 +424,7 @@ def _check_factor(factor: torch.Tensor, name: str) -> None:
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0])
         raise NonFiniteError(f"{name}: expert {i} has global factor amax/denominator = {float(factor[i])} "
-                             "(must be finite and > 0); pass --allow-nonfinite to decode it anyway")
+                             "(must be finite and > 0)", "pass --allow-nonfinite to decode it anyway")
 
 
 #: Smallest scale byte that no quantizer writes: MXFP8 0xFF (E8M0 NaN); NVFP4 0x7F (E4M3 NaN) and
@@ -446,8 +446,8 @@ def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
         return
     idx = tuple(int(i) for i in torch.nonzero(bad)[0])
     if fname == "mxfp8":
-        raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}; pass --allow-nonfinite to decode it as NaN")
-    raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}; "
+        raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}", "pass --allow-nonfinite to decode it as NaN")
+    raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}",
                          "pass --allow-nonfinite to decode it anyway")
 
 
