@@ -42,7 +42,9 @@ class Size(str, Enum):
 
 MAX_FIXTURE_LAYERS = 256  # synthetic checkpoints: far beyond any test, well below a hang
 MAX_FIXTURE_EXPERTS = 4096
-SHARD_OPT = typer.Option("5GB", "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB.")
+SHARD_OPT = typer.Option(None, "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB. Default: the "
+                         "source's (or --reference's) files and index when the output holds exactly its tensors, "
+                         "else 5GB.")
 FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output.")
 QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt (whose "
@@ -108,6 +110,11 @@ def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
     return PrecisionPlan.parse(text, src.cfg.num_hidden_layers)
 
 
+def _size(text: str | None) -> int | None:
+    """``--max-shard-size`` in bytes; None keeps the source's files where the output allows."""
+    return None if text is None else parse_size(text)
+
+
 @app.command("quantize")
 def quantize(
     src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
@@ -117,7 +124,7 @@ def quantize(
                                      help="fresh: global scales from these weights; keep: from --reference "
                                           "(unchanged weights then reproduce the reference bytes)."),
     reference: Optional[str] = typer.Option(None, "--reference", help="Quantized checkpoint to keep scales from."),
-    max_shard_size: str = SHARD_OPT,
+    max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
@@ -127,7 +134,7 @@ def quantize(
     ckpt = HFCheckpoint.open(src)
     ref = HFCheckpoint.open(reference) if reference else None
     result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
-                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                        max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
                         progress=not quiet, command="quantize")
     report(result, "quantization")
 
@@ -136,7 +143,7 @@ def quantize(
 def dequantize(
     src: str = typer.Argument(..., help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),
-    max_shard_size: str = SHARD_OPT,
+    max_shard_size: Optional[str] = SHARD_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
@@ -146,7 +153,7 @@ def dequantize(
     if ckpt.plan.variant == "bf16":
         raise PlanError(f"{src} is already BF16")
     result = requantize(ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
-                        max_shard_size=parse_size(max_shard_size), force=force, progress=not quiet,
+                        max_shard_size=_size(max_shard_size), force=force, progress=not quiet,
                         command="dequantize")
     report(result, "dequantization")
 

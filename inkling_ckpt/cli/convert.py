@@ -14,13 +14,13 @@ from ..convert.experts import SCALE_POLICIES
 from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf, hf_to_megatron, megatron_to_hf
 from ..convert.requantize import requantize
 from ..errors import PlanError
-from ..layouts.hf import HFCheckpoint, parse_size
+from ..layouts.hf import HFCheckpoint
 from ..layouts.limits import check_count
 from ..layouts.paths import check_dst
-from ..model.mapping import DEFAULT_PRESET, PRESETS, get_preset
+from ..model.mapping import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app
-from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, report
+from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, _size, report
 
 convert_app = typer.Typer(
     name="convert",
@@ -38,6 +38,10 @@ PRESET_OPT = typer.Option(
     DEFAULT_PRESET, "--preset",
     help=f"Megatron key layout: {', '.join(PRESETS)} (miles: one Megatron layer per decoder layer, as Miles' "
          "Inkling; bridge: Megatron-Core HybridModel, attention of layer i at 2i and its MoE at 2i+1).")
+READ_PRESET_OPT = typer.Option(
+    None, "--preset",
+    help=f"Megatron key layout of SRC: {', '.join(PRESETS)}. Default: the one SRC records (inkling-ckpt writes it into "
+         "common.pt), else the one whose keys SRC holds.")
 DRY_RUN_OPT = typer.Option(False, "--dry-run", help="Validate the input and print (JSON) what would be written; write nothing.")
 
 SCALES_HELP = (
@@ -90,6 +94,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _preset(name: str | None) -> Preset | None:
+    return None if name is None else get_preset(name)
+
+
 def _scales(value: str) -> str:
     if value not in SCALE_POLICIES:
         raise PlanError(f"--scales {value!r} is not a scale policy; choose one of {', '.join(SCALE_POLICIES)}")
@@ -140,8 +148,8 @@ def megatron_to_hf_cmd(
     plan: Optional[str] = typer.Option(None, "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or bf16. "
                                                             "Default: the reference's."),
     scales: str = typer.Option("keep", "--scales", help=SCALES_HELP),
-    preset: str = PRESET_OPT,
-    max_shard_size: str = SHARD_OPT,
+    preset: Optional[str] = READ_PRESET_OPT,
+    max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
@@ -160,10 +168,10 @@ def megatron_to_hf_cmd(
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
     if dry_run:
-        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset)), indent=2))
+        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=_preset(preset)), indent=2))
         return
-    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=get_preset(preset),  # type: ignore[arg-type]
-                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
+    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=_preset(preset),  # type: ignore[arg-type]
+                            max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite,
                             force=force, progress=not quiet)
     report(result, "conversion")
 
@@ -174,7 +182,7 @@ def hf_to_hf_cmd(
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
     plan: str = typer.Option(..., "--plan", help="Target per-layer expert formats: e.g. mxfp8, bf16, 0-39:nvfp4,40-47:mxfp8."),
     scales: str = typer.Option("fresh", "--scales", help=SCALES_HELP + " 'keep' needs an NVFP4 source layer."),
-    max_shard_size: str = SHARD_OPT,
+    max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
@@ -190,6 +198,6 @@ def hf_to_hf_cmd(
     _steady_memory()
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
-                        max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
+                        max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
                         progress=not quiet, command="hf-to-hf")
     report(result, "conversion")

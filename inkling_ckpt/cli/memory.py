@@ -12,7 +12,7 @@ import typer
 
 from ..errors import ConfigError, PlanError
 from ..layouts.detect import HF, TORCH_DIST, detect_layout, open_checkpoint
-from ..layouts.hf import INDEX, parse_size
+from ..layouts.hf import INDEX, fetch_config, looks_like_repo_id, parse_size
 from ..model.config import InklingConfig, read_json
 from ..model.inventory import inventory, vision_specs
 from ..model.precision import PrecisionPlan
@@ -83,7 +83,16 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], emb
     if config is not None:
         raise PlanError("--config is for a torch_dist folder that keeps no config; a bare config.json is "
                         "CKPT_OR_CONFIG itself")
+    return bare_config(source, variant, plan_text, embed)
+
+
+def bare_config(source: str, variant: Optional[Variant], plan_text: Optional[str], embed: Optional[EmbedDtype]):
+    """A config.json (or a folder holding only one, or a hub repo's) planned as a checkpoint of
+    ``variant`` / ``plan_text``: (cfg, plan, specs, where, note) with the bare-config dtype assumption."""
+    p = Path(source)
     config_path = p / "config.json" if p.is_dir() else p
+    if not p.exists() and looks_like_repo_id(source):
+        config_path = fetch_config(source)
     if not config_path.is_file():
         raise ConfigError(f"{source} is neither a checkpoint folder nor a config.json")
     raw = read_json(config_path)
@@ -102,7 +111,7 @@ def _load(source: str, variant: Optional[Variant], plan_text: Optional[str], emb
     e = embed or EmbedDtype.bf16
     specs = inventory(cfg, plan, dtypes=bare_config_dtypes(inventory(cfg, plan), _EMBED[e]))
     note = (f"assumed (bare config): every non-expert tensor BF16, embed/unembed {e.value.upper()}"
-            + ("" if e is EmbedDtype.f32 else "; --embed-dtype f32 for F32 embed/unembed"))
+            + ("" if embed is not None else "; --embed-dtype f32 for F32 embed/unembed"))
     return cfg, plan, specs, str(config_path), note
 
 

@@ -9,12 +9,14 @@ from typing import Optional
 import typer
 
 from ..errors import PlanError
-from ..layouts.hf import HFCheckpoint, parse_size
-from ..layouts.sharded import describe_plan, merge, plan_checkpoint, shard
+from ..layouts.hf import HFCheckpoint, looks_like_repo_id, parse_size
+from ..layouts.sharded import ShardPlan, describe_plan, merge, shard
 from ..plan.memory import CATEGORIES, rank_memory, render_ranks
 from ..layouts.limits import MAX_RANKS, check_count
 from ..layouts.paths import check_dst
 from .app import app
+from .checkpoint import Variant
+from .memory import EmbedDtype, _holds_weights, bare_config
 
 _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
@@ -27,9 +29,19 @@ _HELP = "\n\n".join([
      "[r*E/ep, (r+1)*E/ep) of dim 0 with every per-expert part (scales, _amax); moe_tp = tp/ep ranks share "
      "them, w13 rows split in whole (gate, up) pairs and w2 by columns (NVFP4 layers need moe_tp 1). "
      "Rank r is EP rank r // moe_tp."),
-    ('--dry-run prints the plan and per-rank bytes from the headers alone. --merge SRC DST rebuilds the '
+    ('--dry-run prints the plan and per-rank bytes from the headers alone; SRC may then be a bare config.json '
+     '(e.g. fixtures/full-size/config.json, or a hub repo id: only its config is fetched) planned as --variant '
+     '(default mixed) or --plan, with BF16 non-expert tensors. --merge SRC DST rebuilds the '
      'original checkpoint byte for byte (checksums verified).'),
 ])
+
+
+def _bare_config(src: str) -> bool:
+    """A config.json, a folder holding only one, or a hub repo id (only its config is fetched for a dry run)."""
+    p = Path(src)
+    if not p.exists():
+        return looks_like_repo_id(src)
+    return p.is_file() or _holds_weights(p) is None
 
 
 @app.command("shard", help=_HELP)
@@ -41,6 +53,10 @@ def shard_cmd(
     merge_: bool = typer.Option(False, "--merge", help="Reassemble the sharded folder SRC into DST instead."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and per-rank bytes; read no tensor data."),
     as_json: bool = typer.Option(False, "--json", help="With --dry-run: machine-readable output."),
+    variant: Optional[Variant] = typer.Option(None, "--variant", help="With --dry-run on a bare config: which released "
+                                              "variant to plan (default mixed = layers 0-39 NVFP4, 40-47 MXFP8)."),
+    plan_text: Optional[str] = typer.Option(None, "--plan", help="With --dry-run on a bare config: an explicit "
+                                            "precision plan instead of --variant."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file per rank."),
     force: bool = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
@@ -62,16 +78,26 @@ def shard_cmd(
     if tp is None:
         raise PlanError("--tp is required (and --ep, default 1)")
     if dry_run:
-        ckpt = HFCheckpoint.open(src)
-        plan = plan_checkpoint(ckpt, tp, ep)
+        if _bare_config(src):
+            cfg, precision, specs, where, note = bare_config(src, variant if plan_text else variant or Variant.mixed, plan_text,
+                                                                   EmbedDtype.bf16)
+        else:
+            if variant is not None or plan_text is not None:
+                raise PlanError(f"{src} holds weights: its precision plan is read from it (drop --variant/--plan)")
+            ckpt = HFCheckpoint.open(src)
+            cfg, precision, specs, where, note = ckpt.cfg, ckpt.plan, ckpt.expected(), str(ckpt.root), None
+        plan = ShardPlan.build(cfg, precision, tp, ep, specs)
         info = describe_plan(plan)
         ranks = rank_memory(plan)
         if as_json:
-            typer.echo(json.dumps({**info, "source": str(ckpt.root), "variant": ckpt.plan.variant,
-                                   "precision_plan": str(ckpt.plan), "ranks": ranks}, indent=2))
+            typer.echo(json.dumps({**info, "source": where, "variant": precision.variant,
+                                   "precision_plan": str(precision), "dtypes": note or "as stored (from the headers)",
+                                   "ranks": ranks}, indent=2))
             return
         p = info["plan"]
-        typer.echo(f"{ckpt.root}: {ckpt.plan.variant} ({ckpt.plan}); tp {p['tp']}, ep {p['ep']}, moe_tp {p['moe_tp']}")
+        typer.echo(f"{where}: {precision.variant} ({precision}); tp {p['tp']}, ep {p['ep']}, moe_tp {p['moe_tp']}")
+        if note:
+            typer.echo(f"dtypes {note}")
         typer.echo("")
         typer.echo("experts:")
         for e, v in info["experts"].items():
@@ -82,7 +108,7 @@ def shard_cmd(
             typer.echo(f"  {pattern:<64} {r['describe']} [{r['tensors']}]")
         typer.echo("")
         by_cat = dict.fromkeys(CATEGORIES, 0)
-        for s in ckpt.expected():
+        for s in specs:
             by_cat[s.category.value] += s.nbytes
         typer.echo(render_ranks(ranks, sum(by_cat.values()), by_cat))
         return

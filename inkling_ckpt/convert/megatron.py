@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
-from ..layouts.hf import DTYPE_TO_ST, HFWriter
+from ..layouts.hf import DEFAULT_MAX_SHARD, DTYPE_TO_ST, HFWriter, reference_sharding
 from ..layouts.megatron import (
     CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
     finish_iteration_dir, stored_config, write_dcp, write_tracker,
@@ -276,14 +276,17 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[st
     return dtypes
 
 
-def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
+def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset | None):
+    from ..layouts.torch_dist_release import check_same_model, mapping_for
+
     reader = TorchDistCheckpoint.open(src)
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
+    check_same_model(reader, cfg, str(reader.folder), "reference", str(getattr(reference, "root", "")))
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
-    m = MegatronMapping(cfg, preset)
+    m = mapping_for(reader, cfg, str(reader.folder), preset)  # None: the recorded or detected preset
     dtypes = check_torch_dist(reader, m)
     vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []
     specs = inventory(cfg, plan, dtypes=dtypes, vision=vision)
@@ -291,7 +294,7 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
 
 
 def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                            preset: str | Preset = DEFAULT_PRESET) -> dict[str, Any]:
+                            preset: str | Preset | None = None) -> dict[str, Any]:
     """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
     reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
     skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
@@ -304,12 +307,15 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
 
 
 def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                   scales: ScalePolicy = "keep", preset: str | Preset = DEFAULT_PRESET, max_shard_size: int | str = "5GB",
+                   scales: ScalePolicy = "keep", preset: str | Preset | None = None, max_shard_size: int | str | None = None,
                    allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
     """Write the torch_dist checkpoint ``src`` as a release checkpoint at ``dst`` in ``plan``'s formats.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
     default plan and, with ``scales="keep"``, the NVFP4 amax and the bytes of unchanged blocks.
+    ``preset``: the Megatron key layout; None reads it from ``common.pt`` or detects it from the keys.
+    ``max_shard_size`` None: the reference's files and index when the output holds exactly its
+    tensors (an untouched checkpoint comes back file for file), else 5GB shards.
     """
     if current_world().distributed:
         raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
@@ -318,13 +324,16 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
     encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" else None,
                             allow_nonfinite=allow_nonfinite)
     config = output_config(reference.config, cfg, plan)
+    files = reference_sharding(reference, specs) if max_shard_size is None else None
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
-           "plan": str(plan), "scales": scales, "preset": m.preset.name, "max_shard_size": str(max_shard_size),
+           "plan": str(plan), "scales": scales, "preset": m.preset.name,
+           "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     return write_hf_checkpoint(
         dst, job, specs, config, reference.extra_files(),
         lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, advance),
-        max_shard_size=max_shard_size, force=force, progress=progress, desc="megatron-to-hf",
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, force=force, progress=progress, desc="megatron-to-hf",
+        files=files,
     )
 
 
