@@ -110,3 +110,57 @@ def test_shard_dry_run_plans_from_a_bare_config(cli, tmp_path):
     assert "holds weights" in err
     err = _error(cli, "shard", config, tmp_path / "out", "--tp", "8", "--ep", "8")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def miles(tmp_path_factory) -> dict[str, Path]:
+    """The mixed and BF16 fixtures converted to torch_dist (default preset)."""
+    from inkling_ckpt.convert.megatron import hf_to_megatron
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    root = tmp_path_factory.mktemp("miles")
+    for v in ("mixed", "bf16"):
+        hf_to_megatron(HFCheckpoint.open(TINY[v]), root / v, progress=False)
+    return {v: root / v for v in ("mixed", "bf16")}
+
+
+def test_what_rounds_in_a_bf16_copy_of_nvfp4(miles):
+    """The torch_dist experts are the release's NVFP4 decode to BF16 bit for bit; the float32 decode
+    differs, and only by the final rounding to BF16 (the block-scale products are exact in float32)."""
+    from inkling_ckpt.convert.experts import read_parts
+    from inkling_ckpt.formats.stacked import decode_stacked
+    from inkling_ckpt.layouts.detect import open_checkpoint
+    from inkling_ckpt.model.inventory import expert_stacks
+
+    rel, mg = open_checkpoint(TINY["mixed"]), open_checkpoint(miles["mixed"])
+    for stack in expert_stacks(rel.cfg, rel.plan, 0):
+        parts = read_parts(rel, stack, 0, stack.shape[0])
+        f32 = decode_stacked("nvfp4", parts, torch.float32)
+        bf16 = decode_stacked("nvfp4", parts, torch.bfloat16)
+        stored = mg.get(stack.name)
+        assert torch.equal(stored.view(torch.int16), bf16.view(torch.int16))
+        assert torch.equal(f32.to(torch.bfloat16).view(torch.int16), bf16.view(torch.int16))
+        assert not torch.equal(f32, bf16.float())  # the rounding is there: F32 values need more than 8 bits
+
+
+def test_verify_exact_separates_expected_rounding_from_a_mismatch(cli, miles):
+    """The README's example: a release against its torch_dist copy passes --exact, NVFP4 layers as
+    expected rounding; against the torch_dist copy of other weights the same layers are mismatches."""
+    code, out, err = cli("verify", TINY["mixed"], miles["mixed"], "--exact", "-q", "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    s = rep["summary"]
+    assert (s["tensors"], s["bit_exact_tensors"], s["rounding_tensors"], s["mismatch_tensors"]) == (100, 96, 4, 0)
+    assert rep["formats"]["nvfp4"]["rounding_tensors"] == 4 and rep["formats"]["mxfp8"]["bit_exact_tensors"] == 4
+    nv = [t for t in rep["tensors"] if t["format"] == "nvfp4"]
+    assert {(t["verdict"], t["rounding"]) for t in nv} == {("rounding", "bf16-decode-of-nvfp4")}
+    assert rep["rounding"]["bf16-decode-of-nvfp4"]["tensors"] == 4 and rep["thresholds"]["passed"]
+    code, out, err = cli("verify", miles["mixed"], TINY["mixed"], "--exact", "-q")  # either side order
+    assert code == 0 and "4 expected rounding, 0 mismatch" in out and "amax/2688, rounded to BF16" in out, out
+    # the BF16 source's torch_dist copy holds other values than the release's decode: mismatches, exit 1
+    code, out, err = cli("verify", TINY["mixed"], miles["bf16"], "--exact", "-q", "--json")
+    rep = json.loads(out)
+    assert code == 1 and rep["summary"]["mismatch_tensors"] == 8 and rep["summary"]["rounding_tensors"] == 0
+    assert {t["verdict"] for t in rep["tensors"] if t["format"] != "dense"} == {"mismatch"}
+    code, out, err = cli("verify", TINY["mixed"], miles["bf16"], "--exact", "-q")
+    assert code == 1 and "0 expected rounding, 8 mismatch" in out and "nor the expected rounding" in out
