@@ -164,3 +164,142 @@ def test_verify_exact_separates_expected_rounding_from_a_mismatch(cli, miles):
     assert {t["verdict"] for t in rep["tensors"] if t["format"] != "dense"} == {"mismatch"}
     code, out, err = cli("verify", TINY["mixed"], miles["bf16"], "--exact", "-q")
     assert code == 1 and "0 expected rounding, 8 mismatch" in out and "nor the expected rounding" in out
+
+
+# ---- float32 / float16 checkpoints (a fine-tune saved without bf16) --------------------------------
+
+
+def _wide_copy(src: Path, out: Path, dtype: torch.dtype) -> Path:
+    """The tiny BF16 fixture as transformers saves a float32 (float16) model: every tensor in that dtype,
+    with values BF16 cannot hold (so narrowing them rounds), written by the project's own HF writer."""
+    from inkling_ckpt.convert.requantize import write_hf_checkpoint
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    ckpt = HFCheckpoint.open(src)
+    gen = torch.Generator().manual_seed(16)
+    values = {}
+    for name, st in ckpt.tensors.items():
+        t = ckpt.get(name).float()
+        values[name] = (t * (1 + torch.rand(t.shape, generator=gen) * 2.0**-10)).to(dtype)
+    from inkling_ckpt.model.inventory import TensorSpec
+
+    specs = [TensorSpec(n, tuple(v.shape), v.dtype, s.category, s.row, layer=s.layer, fmt=s.fmt, part=s.part)
+             for s in ckpt.expected() for n, v in [(s.name, values[s.name])]]
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+
+    def produce(writer, advance):
+        for s in specs:
+            writer.write(s.name, values[s.name])
+
+    write_hf_checkpoint(out, {"command": "test"}, specs, config, {}, produce, max_shard_size="2MB", force=False,
+                        progress=False, desc="test")
+    return out
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("wide")
+    return {"f32": _wide_copy(TINY["bf16"], root / "f32", torch.float32),
+            "f16": _wide_copy(TINY["bf16"], root / "f16", torch.float16)}
+
+
+def test_float32_and_float16_checkpoints_are_read(cli, wide):
+    for v in ("f32", "f16"):
+        code, out, err = cli("inspect", wide[v], "--json")
+        assert code == 0, err
+        got = json.loads(out)
+        assert got["variant"] == v and str(got["plan"]) == f"0-3:{v}", got["plan"]
+        code, out, err = cli("verify", wide[v], wide[v], "--exact", "-q")
+        assert code == 0 and "126 tensors: 126 bit-exact" in out, out
+
+
+def test_quantize_encodes_float32_values_directly(cli, tmp_path, wide):
+    """quantize from F32: the experts are the codec's bytes for the F32 values (never narrowed to BF16 first)."""
+    from inkling_ckpt.convert.experts import read_parts
+    from inkling_ckpt.formats.stacked import encode_stacked
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.inventory import expert_stacks
+
+    code, _, err = cli("quantize", wide["f32"], tmp_path / "q", "--plan", "0-1:nvfp4,2-3:mxfp8", "-q")
+    assert code == 0, err
+    src, q = HFCheckpoint.open(wide["f32"]), HFCheckpoint.open(tmp_path / "q")
+    assert str(q.plan) == "0-1:nvfp4,2-3:mxfp8"
+    for st_in, st_out in zip(expert_stacks(src.cfg, src.plan), expert_stacks(q.cfg, q.plan)):
+        x = read_parts(src, st_in, 0, st_in.shape[0])[""]
+        assert x.dtype == torch.float32
+        want = encode_stacked(st_out.fmt, x)
+        got = read_parts(q, st_out, 0, st_out.shape[0])
+        assert all(torch.equal(got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8))
+                   for k in want), st_out.name
+        bf16_first = encode_stacked(st_out.fmt, x.to(torch.bfloat16))
+        assert not torch.equal(got[""].view(torch.uint8), bf16_first[""].view(torch.uint8))  # the F32 values count
+    for name, t in src.tensors.items():  # non-experts: as stored, F32
+        if name in q.tensors and q.tensors[name].dtype == torch.float32:
+            assert torch.equal(q.get(name), src.get(name))
+    # a plan leaving layers unquantized would narrow them: refused, naming --dtype; --dtype f32 keeps them
+    err = _error(cli, "quantize", wide["f32"], tmp_path / "q2", "--plan", "0-1:nvfp4", "-q")
+    assert "layer 2's routed experts are F32" in err and "--dtype bf16" in err and "--dtype f32" in err
+    code, _, err = cli("quantize", wide["f32"], tmp_path / "q2", "--plan", "0-1:nvfp4", "--dtype", "f32", "-q")
+    assert code == 0 and str(HFCheckpoint.open(tmp_path / "q2").plan) == "0-1:nvfp4,2-3:f32", err
+    code, _, err = cli("quantize", wide["f16"], tmp_path / "q3", "--plan", "mxfp8", "-q")
+    assert code == 0, err
+
+
+def test_stacked_float32_encode_is_modelopts(wide):
+    """Differential: NVFP4 and MXFP8 of F32 expert values, expert by expert, equal ModelOpt 0.47's bytes."""
+    import warnings
+
+    from conftest import oracle
+    from inkling_ckpt.formats.stacked import encode_stacked
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    oracle("modelopt", "nvidia-modelopt==0.47.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from modelopt.torch.quantization.qtensor.mxfp8_tensor import MXFP8QTensor
+        from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+    x = HFCheckpoint.open(wide["f32"]).get("model.llm.layers.0.mlp.experts.w13_weight")
+    assert x.dtype == torch.float32
+    nv, mx = encode_stacked("nvfp4", x), encode_stacked("mxfp8", x)
+    for e in range(x.shape[0]):
+        qt, sb, s2 = NVFP4QTensor.quantize(x[e].clone(), 16)
+        assert torch.equal(nv[""][e], qt._quantized_data)
+        assert torch.equal(nv["_scale"][e].view(torch.uint8), sb.view(torch.uint8))
+        assert torch.equal(nv["_amax"][e] / nv["_outer_scale_denominator"], s2.reshape(()).float())
+        qt, s = MXFP8QTensor.quantize(x[e].clone())
+        assert torch.equal(mx[""][e].view(torch.uint8), qt._quantized_data.view(torch.uint8))
+        assert torch.equal(mx["_scale"][e], s.reshape(mx["_scale"][e].shape))
+
+
+def test_narrowing_needs_dtype(cli, tmp_path, wide):
+    """dequantize, hf-to-hf, hf-to-megatron and megatron-to-hf round F32 experts only when --dtype says so."""
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    f32 = wide["f32"]
+    for args in (["dequantize", f32, tmp_path / "x"], ["convert", "hf-to-hf", f32, tmp_path / "x", "--plan", "bf16"],
+                 ["convert", "hf-to-megatron", f32, tmp_path / "x"]):
+        err = _error(cli, *args, "-q")
+        assert "routed experts are F32" in err and "--dtype bf16" in err, err
+        assert not (tmp_path / "x").exists()
+    code, _, err = cli("dequantize", f32, tmp_path / "d", "--dtype", "bf16", "-q")
+    assert code == 0, err
+    src, d = HFCheckpoint.open(f32), HFCheckpoint.open(tmp_path / "d")
+    name = "model.llm.layers.1.mlp.experts.w2_weight"
+    assert torch.equal(d.get(name).view(torch.int16), src.get(name).to(torch.bfloat16).view(torch.int16))
+    code, out, err = cli("verify", f32, tmp_path / "d", "--exact", "-q", "--json")
+    rep = json.loads(out)
+    assert code == 0 and rep["summary"]["rounding_tensors"] == 8 and rep["summary"]["mismatch_tensors"] == 0
+    assert {t["rounding"] for t in rep["tensors"] if t["format"] != "dense"} == {"narrowed"}
+    # hf-to-hf keeping the F32 experts comes back file for file; to Megatron and back with --dtype bf16
+    code, _, err = cli("convert", "hf-to-hf", f32, tmp_path / "same", "--plan", "f32", "-q")
+    assert code == 0 and same_files(f32, tmp_path / "same") == [], err
+    code, _, err = cli("convert", "hf-to-megatron", f32, tmp_path / "mg", "--dtype", "bf16", "-q")
+    assert code == 0, err
+    code, _, err = cli("convert", "megatron-to-hf", tmp_path / "mg", tmp_path / "back", "--reference", f32, "-q")
+    assert code == 0, err
+    back = HFCheckpoint.open(tmp_path / "back")
+    assert str(back.plan) == "0-3:f32"  # the reference's format; BF16 -> F32 is exact
+    assert torch.equal(back.get(name), src.get(name).to(torch.bfloat16).float())
+    err = _error(cli, "convert", "megatron-to-hf", tmp_path / "mg", tmp_path / "x", "--reference", wide["f16"], "-q")
+    assert "--dtype f16" in err

@@ -49,6 +49,15 @@ FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a 
 QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
 CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt (whose "
                           "common.pt keeps no copy): the model's config.json, or the HF folder holding it.")
+class DenseDtype(str, Enum):
+    bf16 = "bf16"
+    f16 = "f16"
+    f32 = "f32"
+
+
+DTYPE_OPT = typer.Option(None, "--dtype", help="Dtype of the routed experts the output holds unquantized. Default: "
+                         "their stored dtype where the source holds them unquantized (a cast that would round them, "
+                         "F32 -> BF16, is refused and names this option), else BF16.")
 NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
 
 
@@ -110,6 +119,10 @@ def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
     return PrecisionPlan.parse(text, src.cfg.num_hidden_layers)
 
 
+def _dtype(value: "DenseDtype | None") -> str | None:
+    return None if value is None else value.value
+
+
 def _size(text: str | None) -> int | None:
     """``--max-shard-size`` in bytes; None keeps the source's files where the output allows."""
     return None if text is None else parse_size(text)
@@ -124,6 +137,7 @@ def quantize(
                                      help="fresh: global scales from these weights; keep: from --reference "
                                           "(unchanged weights then reproduce the reference bytes)."),
     reference: Optional[str] = typer.Option(None, "--reference", help="Quantized checkpoint to keep scales from."),
+    dtype: Optional[DenseDtype] = DTYPE_OPT,
     max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
@@ -135,7 +149,7 @@ def quantize(
     ref = HFCheckpoint.open(reference) if reference else None
     result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
                         max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="quantize")
+                        progress=not quiet, command="quantize", dtype=_dtype(dtype))
     report(result, "quantization")
 
 
@@ -143,18 +157,19 @@ def quantize(
 def dequantize(
     src: str = typer.Argument(..., help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),
+    dtype: Optional[DenseDtype] = DTYPE_OPT,
     max_shard_size: Optional[str] = SHARD_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
 ) -> None:
-    """Decode every routed expert to BF16."""
+    """Decode every routed expert to BF16 (or --dtype)."""
     check_dst(dst, [src])
     ckpt = HFCheckpoint.open(src)
-    if ckpt.plan.variant == "bf16":
-        raise PlanError(f"{src} is already BF16")
-    result = requantize(ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
-                        max_shard_size=_size(max_shard_size), force=force, progress=not quiet,
-                        command="dequantize")
+    target = PrecisionPlan.uniform(dtype.value if dtype else "bf16", ckpt.cfg.num_hidden_layers)
+    if target == ckpt.plan:
+        raise PlanError(f"{src} is already {ckpt.plan.variant.upper()}: nothing to decode")
+    result = requantize(ckpt, dst, target, max_shard_size=_size(max_shard_size), force=force, progress=not quiet,
+                        command="dequantize", dtype=_dtype(dtype))
     report(result, "dequantization")
 
 

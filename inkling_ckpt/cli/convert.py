@@ -20,7 +20,7 @@ from ..layouts.paths import check_dst
 from ..model.mapping import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..model.precision import PrecisionPlan
 from .app import app
-from .checkpoint import FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, _size, report
+from .checkpoint import DTYPE_OPT, FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, DenseDtype, _dtype, _size, report
 
 convert_app = typer.Typer(
     name="convert",
@@ -109,6 +109,8 @@ def hf_to_megatron_cmd(
     src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
     dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
     preset: str = PRESET_OPT,
+    dtype: Optional[DenseDtype] = typer.Option(None, "--dtype", help="bf16: round routed experts SRC stores in F32 or "
+                                               "F16 to BF16, as Megatron holds them (refused without it)."),
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
     quiet: bool = QUIET_OPT,
@@ -126,7 +128,8 @@ def hf_to_megatron_cmd(
         check_dst(dst, [src])
     if dry_run:
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
-        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks)
+        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks,
+                                       dtype=_dtype(dtype))
         if _rank() == 0:
             typer.echo(json.dumps(info, indent=2))
         return
@@ -134,7 +137,7 @@ def hf_to_megatron_cmd(
     with _torchrun():
         ckpt = HFCheckpoint.open(src)
         result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
-                                progress=not quiet and _rank() == 0)
+                                progress=not quiet and _rank() == 0, dtype=_dtype(dtype))
         if _rank() == 0:
             report(result, "conversion")
 
@@ -149,6 +152,7 @@ def megatron_to_hf_cmd(
                                                             "Default: the reference's."),
     scales: str = typer.Option("keep", "--scales", help=SCALES_HELP),
     preset: Optional[str] = READ_PRESET_OPT,
+    dtype: Optional[DenseDtype] = DTYPE_OPT,
     max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
@@ -168,11 +172,11 @@ def megatron_to_hf_cmd(
     ref = HFCheckpoint.open(reference)
     p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
     if dry_run:
-        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=_preset(preset)), indent=2))
+        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=_preset(preset), dtype=_dtype(dtype)), indent=2))
         return
     result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=_preset(preset),  # type: ignore[arg-type]
                             max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite,
-                            force=force, progress=not quiet)
+                            force=force, progress=not quiet, dtype=_dtype(dtype))
     report(result, "conversion")
 
 
@@ -182,6 +186,7 @@ def hf_to_hf_cmd(
     dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
     plan: str = typer.Option(..., "--plan", help="Target per-layer expert formats: e.g. mxfp8, bf16, 0-39:nvfp4,40-47:mxfp8."),
     scales: str = typer.Option("fresh", "--scales", help=SCALES_HELP + " 'keep' needs an NVFP4 source layer."),
+    dtype: Optional[DenseDtype] = DTYPE_OPT,
     max_shard_size: Optional[str] = SHARD_OPT,
     allow_nonfinite: bool = NONFINITE_OPT,
     force: bool = FORCE_OPT,
@@ -199,5 +204,5 @@ def hf_to_hf_cmd(
     ckpt = HFCheckpoint.open(src)
     result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
                         max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="hf-to-hf")
+                        progress=not quiet, command="hf-to-hf", dtype=_dtype(dtype))
     report(result, "conversion")

@@ -19,8 +19,9 @@ from ..errors import CheckpointError
 from ..layouts.hf import DEFAULT_MAX_SHARD, HFWriter, reference_sharding, write_extra_files, write_json
 from ..layouts.staging import Staging
 from ..model.config import InklingConfig
+from ..formats.stacked import UNQUANTIZED
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
-from ..model.precision import PrecisionPlan
+from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..progress import ByteProgress
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -76,15 +77,20 @@ def requantize(
     force: bool = False,
     progress: bool = True,
     command: str = "requantize",
+    dtype: str | None = None,
 ) -> Result:
     """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done).
+
+    ``dtype`` (``bf16``, ``f16``, ``f32``): the dtype of the layers ``plan`` leaves unquantized;
+    without it, a layer stored wider than the plan writes it is refused (``model.precision.dense_as``).
 
     ``max_shard_size`` None: the source's files when the output keeps its tensors, else 5GB shards.
     """
     cfg = src.cfg
     if len(plan) != cfg.num_hidden_layers:
         raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {cfg.num_hidden_layers}")
-    if scales == "keep" and reference is None and src.plan.used_formats() != ["bf16"]:
+    plan = dense_as(plan, src.plan, dtype)
+    if scales == "keep" and reference is None and not set(src.plan.used_formats()) <= set(UNQUANTIZED):
         reference = src  # a quantized source carries its own scales
     encoder = ExpertEncoder(plan, scales=scales, reference=reference, allow_nonfinite=allow_nonfinite)
     specs = inventory(cfg, plan, dtypes=src.dtypes(), vision=src.vision_specs())
@@ -163,7 +169,9 @@ def _slice(src: TensorSource, encoder: ExpertEncoder, out: ExpertStack, inp: Exp
            last: int) -> dict[str, torch.Tensor]:
     if out.fmt == inp.fmt:
         return read_parts(src, inp, first, last)  # same format: the stored bytes as they are
-    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite)
+    # Unquantized output: decoded straight to its dtype (one rounding); quantized: from the
+    # source's natural dtype (an F32 source is encoded from its F32 values).
+    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite, dtype=UNQUANTIZED.get(out.fmt))
     return encoder.encode(out, first, x)
 
 

@@ -23,8 +23,8 @@ or ``mismatch``. The expected rounding is one of :data:`ROUNDINGS`: a BF16 side 
 decode of the other side's NVFP4 experts (what ``hf-to-megatron`` and transformers'
 dequantizer write: each value e2m1 × E4M3 block scale × the expert's float32 factor
 amax/2688 is computed in float32 and rounded to BF16's 8 significant bits; MXFP8 values fit
-BF16 and never round), or a dense tensor stored narrower on one side (F32 → BF16/F16, the value
-rounded to nearest). The check is bit for bit: B must equal A narrowed, element for element.
+BF16 and never round), or a tensor stored narrower on one side (F32 → BF16/F16, the value
+rounded to nearest: ``--dtype bf16`` conversions of a float32 checkpoint). The check is bit for bit: B must equal A narrowed, element for element.
 
 Report (``--json``), schema ``inkling-ckpt/verify-report/v1``::
 
@@ -59,7 +59,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
-from ..formats.stacked import decode_stacked
+from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
@@ -74,7 +74,7 @@ ROUNDINGS: dict[str, str] = {
     "bf16-decode-of-nvfp4": (
         "a BF16 copy of NVFP4 experts holds their BF16 decode: e2m1 x E4M3 block scale x the expert's float32 "
         "factor amax/2688, rounded to BF16 (8 significant bits); it equals that decode bit for bit"),
-    "narrowed-dense": "a dense tensor stored narrower on one side (F32 -> BF16/F16): equal to the wider one rounded",
+    "narrowed": "a tensor stored narrower on one side (F32 -> BF16/F16): equal to the wider one rounded to nearest",
 }
 
 
@@ -195,9 +195,9 @@ class Comparison:
 def _label(fa: str, fb: str) -> str:
     if fa == fb:
         return fa
-    if fa == "bf16":
+    if fa in UNQUANTIZED and fb not in UNQUANTIZED:
         return fb
-    if fb == "bf16":
+    if fb in UNQUANTIZED and fa not in UNQUANTIZED:
         return fa
     return f"{fa}->{fb}"
 
@@ -231,7 +231,7 @@ def _dense(a: Any, b: Any, name: str) -> Iterator[Chunk]:
         yield ta.float(), None, None
     else:
         rounded = _narrowed(ta, tb) or _narrowed(tb, ta)
-        yield ta.float(), tb.float(), "narrowed-dense" if rounded else None
+        yield ta.float(), tb.float(), "narrowed" if rounded else None
 
 
 def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[Chunk]:
@@ -246,7 +246,10 @@ def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[Chunk
 
 
 def _bf16_decode(sa: ExpertStack, pa: Any, sb: ExpertStack, pb: Any) -> str | None:
-    """``bf16-decode-of-nvfp4`` when one side is BF16 and holds exactly the other's NVFP4 decode to BF16."""
+    """``bf16-decode-of-nvfp4`` when one side is BF16 and holds exactly the other's NVFP4 decode to BF16;
+    ``narrowed`` when both are unquantized and one is the other rounded to its narrower dtype."""
+    if sa.fmt in UNQUANTIZED and sb.fmt in UNQUANTIZED:
+        return "narrowed" if _narrowed(pa[""], pb[""]) or _narrowed(pb[""], pa[""]) else None
     for (sq, pq), (sp, pp) in (((sa, pa), (sb, pb)), ((sb, pb), (sa, pa))):
         if sq.fmt == "nvfp4" and sp.fmt == "bf16":
             decoded = decode_stacked(sq.fmt, pq, torch.bfloat16, name=sq.name, allow_nonfinite=True)
