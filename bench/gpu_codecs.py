@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 
-H, I = 4608, 2304
+H, I = 4608, 2304  # noqa: E741  (hidden and expert width, as the model's config names them)
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -135,7 +133,7 @@ def main():
     copy = gbps(2 * src.numel() * 2, ms)
     res["copy_GBps"] = copy
     print(f"device copy (2 GiB, read+write): {ms:.3f} ms  {copy:.0f} GB/s", flush=True)
-    del src, dst
+    src = dst = None  # frees the 4 GiB (rebinding, not del: the closures above name them)
 
     # 2. one EP4 rank's experts
     E = args.experts
@@ -152,7 +150,7 @@ def main():
             ops.group_amax(x)
 
     def k_nvfp4():
-        for x, s in zip(xs, s2):
+        for x, s in zip(xs, s2, strict=True):
             ops.nvfp4_encode(x, s)
 
     def k_nvfp4_fresh():
@@ -163,11 +161,11 @@ def main():
         for x in xs:
             ops.mxfp8_encode(x)
 
-    enc4 = [ops.nvfp4_encode(x, s) for x, s in zip(xs, s2)]
+    enc4 = [ops.nvfp4_encode(x, s) for x, s in zip(xs, s2, strict=True)]
     enc8 = [ops.mxfp8_encode(x) for x in xs]
 
     def k_nvfp4_dec():
-        for (w, sc, _), s in zip(enc4, s2):
+        for (w, sc, _), s in zip(enc4, s2, strict=True):
             ops.nvfp4_decode(w, sc, s, torch.bfloat16)
 
     def k_mxfp8_dec():
@@ -182,11 +180,11 @@ def main():
 
     # correctness of the references against the kernels (bytes)
     checks = {}
-    for (w, sc, _), x, s in zip(enc4, xs, s2):
+    for (w, sc, _), x, s in zip(enc4, xs, s2, strict=True):
         rw, rsc = torch_nvfp4(x, s)
         checks.setdefault("nvfp4_eager_diff_bytes", 0)
         checks["nvfp4_eager_diff_bytes"] += diff_bytes(rw, w) + diff_bytes(rsc, sc)
-    for (q, sc, _), x in zip(enc8, xs):
+    for (q, sc, _), x in zip(enc8, xs, strict=True):
         rq, rsc = torch_mxfp8(x)
         checks.setdefault("mxfp8_eager_diff_bytes", 0)
         checks["mxfp8_eager_diff_bytes"] += diff_bytes(rq, q) + diff_bytes(rsc, sc)
@@ -202,10 +200,10 @@ def main():
     results["mxfp8_dec"] = row("MXFP8 decode -> bf16", b_mxd, bench(k_mxfp8_dec), copy)
 
     # eager torch references
-    results["nvfp4_eager"] = row("  eager torch NVFP4 encode", b_nv, bench(lambda: [torch_nvfp4(x, s) for x, s in zip(xs, s2)]), copy)
+    results["nvfp4_eager"] = row("  eager torch NVFP4 encode", b_nv, bench(lambda: [torch_nvfp4(x, s) for x, s in zip(xs, s2, strict=True)]), copy)
     results["mxfp8_eager"] = row("  eager torch MXFP8 encode", b_mx, bench(lambda: [torch_mxfp8(x) for x in xs]), copy)
     results["amax_eager"] = row("  eager torch amax", b_amax, bench(lambda: [torch_group_amax(x) for x in xs]), copy)
-    results["nvfp4_dec_eager"] = row("  eager torch NVFP4 decode", b_nvd, bench(lambda: [torch_nvfp4_decode(w, sc, s) for (w, sc, _), s in zip(enc4, s2)]), copy)
+    results["nvfp4_dec_eager"] = row("  eager torch NVFP4 decode", b_nvd, bench(lambda: [torch_nvfp4_decode(w, sc, s) for (w, sc, _), s in zip(enc4, s2, strict=True)]), copy)
     results["mxfp8_dec_eager"] = row("  eager torch MXFP8 decode", b_mxd, bench(lambda: [torch_mxfp8_decode(q, sc) for q, sc, _ in enc8]), copy)
 
     if not args.no_compile:
@@ -213,18 +211,18 @@ def main():
         c_nv = torch.compile(torch_nvfp4, dynamic=False)
         c_mx = torch.compile(torch_mxfp8, dynamic=False)
         c_am = torch.compile(torch_group_amax, dynamic=False)
-        for (w, sc, _), x, s in zip(enc4, xs, s2):
+        for (w, sc, _), x, s in zip(enc4, xs, s2, strict=True):
             rw, rsc = c_nv(x, s)
             checks.setdefault("nvfp4_compiled_diff_bytes", 0)
             checks["nvfp4_compiled_diff_bytes"] += diff_bytes(rw, w) + diff_bytes(rsc, sc)
-        for (q, sc, _), x in zip(enc8, xs):
+        for (q, sc, _), x in zip(enc8, xs, strict=True):
             rq, rsc = c_mx(x)
             checks.setdefault("mxfp8_compiled_diff_bytes", 0)
             checks["mxfp8_compiled_diff_bytes"] += diff_bytes(rq, q) + diff_bytes(rsc, sc)
         for x in xs:
             c_am(x)
         print(f"torch.compile warm-up {time.time() - t0:.1f} s; compiled-reference vs kernel: {checks}", flush=True)
-        results["nvfp4_compiled"] = row("  torch.compile NVFP4 encode", b_nv, bench(lambda: [c_nv(x, s) for x, s in zip(xs, s2)]), copy)
+        results["nvfp4_compiled"] = row("  torch.compile NVFP4 encode", b_nv, bench(lambda: [c_nv(x, s) for x, s in zip(xs, s2, strict=True)]), copy)
         results["mxfp8_compiled"] = row("  torch.compile MXFP8 encode", b_mx, bench(lambda: [c_mx(x) for x in xs]), copy)
         results["amax_compiled"] = row("  torch.compile amax", b_amax, bench(lambda: [c_am(x) for x in xs]), copy)
     res["checks"] = checks
@@ -250,7 +248,7 @@ def main():
             row(f"  sweep decode NB={nb} warps={nw} (NVFP4)", b_nvd, bench(k_nvfp4_dec, 150), copy)
             row(f"  sweep decode NB={nb} warps={nw} (MXFP8)", b_mxd, bench(k_mxfp8_dec, 150), copy)
         ops.DEC.update(NB=128, num_warps=4)
-    del enc4, enc8, fc1, fc2, xs
+    enc4 = enc8 = fc1 = fc2 = xs = None  # frees the workload (rebinding, not del: closures name them)
     torch.cuda.empty_cache()
 
     # 3. a whole layer (384 experts) on the GPU

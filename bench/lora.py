@@ -159,7 +159,7 @@ def make_dump(path: Path, layers: int, experts: int) -> None:
     header, offsets, total = _st_header([(n, s, torch.bfloat16) for n, s in entries], {"format": "pt", "lora_alpha": "32"})
     with open(path, "wb") as fh:
         fh.write(header)
-        for n, s in entries:
+        for _, s in entries:
             fh.write(memoryview((torch.randn(*s, generator=g) * 0.01).to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy()))
 
 

@@ -251,7 +251,7 @@ def metadata_data_file_is_a_link_out_of_the_folder(tmp, built):
     outside = tmp / "elsewhere.distcp"
     shutil.copyfile(release(m) / info.relative_path, outside)
     (release(m) / "link.distcp").symlink_to(outside)
-    for k, v in md.storage_data.items():
+    for v in md.storage_data.values():
         if v.relative_path == info.relative_path:
             v.relative_path = "link.distcp"
     with open(release(m) / ".metadata", "wb") as f:

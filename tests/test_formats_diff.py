@@ -160,7 +160,7 @@ def test_modelopt_mxfp8_known_fp32_divergence():
 
 @pytest.mark.parametrize("mode", ["rceil", "floor"])
 @pytest.mark.parametrize("x", [x for x in XS if x.dtype != torch.float16],
-                         ids=[i for i, x in zip(IDS, XS) if x.dtype != torch.float16])
+                         ids=[i for i, x in zip(IDS, XS, strict=True) if x.dtype != torch.float16])
 def test_torchao_to_mx(x, mode):
     to_mx, _, SCM = _torchao()
     fmt = MX if mode == "rceil" else MXF
@@ -174,7 +174,7 @@ def test_torchao_to_mx(x, mode):
 
 
 @pytest.mark.parametrize("x", [x for x in XS if x.dtype != torch.float16],
-                         ids=[i for i, x in zip(IDS, XS) if x.dtype != torch.float16])
+                         ids=[i for i, x in zip(IDS, XS, strict=True) if x.dtype != torch.float16])
 def test_torchao_nvfp4_quantize(x):
     _, nvfp4_quantize, _ = _torchao()
     p = NV.encode(x)

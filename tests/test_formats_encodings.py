@@ -8,6 +8,7 @@ checked against ml_dtypes too, since the encoders rely on them.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 
@@ -72,7 +73,7 @@ def e8m0_bits_by_hand(b: int) -> int | None:
 
 def check_bits(got: torch.Tensor, expected: list[float]) -> None:
     got_bits = bits_of(got)
-    for code, (g, e) in enumerate(zip(got_bits, expected)):
+    for code, (g, e) in enumerate(zip(got_bits, expected, strict=True)):
         if math.isnan(e):
             assert math.isnan(struct.unpack("<f", struct.pack("<I", g))[0]), f"code {code:#x} should be NaN"
         else:
@@ -160,7 +161,7 @@ def test_torch_fp8_cast_is_rne_in_range(dtype, ml_name, enc):
     ml = _ml()
     finite = sorted({v for v in (enc.value(c) for c in range(256)) if math.isfinite(v)})
     pts = []
-    for a, b in zip(finite, finite[1:]):
+    for a, b in itertools.pairwise(finite):
         mid = (a + b) / 2
         pts += [a, mid, np.nextafter(np.float32(mid), np.float32(-np.inf)), np.nextafter(np.float32(mid), np.float32(np.inf))]
     pts.append(finite[-1])

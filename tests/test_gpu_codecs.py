@@ -230,7 +230,7 @@ def test_nvfp4_group_shares_scale():
     got = fmt.encode_group([a.to(DEV), b.to(DEV)])
     with gpu.kernels_disabled():
         want = fmt.encode_group([a, b])
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         _assert_same_parts(g, w)
 
 

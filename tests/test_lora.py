@@ -671,7 +671,7 @@ def test_any_ep_split_in_any_order_gives_the_whole_export(E, F, H, r, data):
              (L + "linear_fc2.adapter.linear_in.weight", a2), (L + "linear_fc2.adapter.linear_out.weight", b2)]
     want = {n: t for grp in LoraExport(alpha=1, num_experts=E).groups(whole) for n, t in grp.tensors}
     cuts = sorted(data.draw(st.sets(st.integers(1, E - 1), max_size=E - 1)) if E > 1 else [])
-    bounds = list(zip([0, *cuts], [*cuts, E]))
+    bounds = list(zip([0, *cuts], [*cuts, E], strict=True))
     items = []
     for lo, hi in bounds:  # each EP rank: its expert slices and its copy of the shared factors
         items += [(whole[0][0], a1.clone()), (whole[1][0], b1[lo:hi].clone(), lo),

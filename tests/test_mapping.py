@@ -20,7 +20,7 @@ from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.model.config import InklingConfig
 from inkling_ckpt.model.inventory import EXPERTS, TEXT
 from inkling_ckpt.model.mapping import (
-    BRIDGE, MILES, PRESETS, Copy, Experts, MegatronMapping, Preset, get_preset,
+    MILES, PRESETS, Copy, Experts, MegatronMapping, Preset, get_preset,
 )
 
 FULL = InklingConfig.from_file(FIXTURES / "full-size" / "config.json")

@@ -27,7 +27,7 @@ def _write(folder: Path, tensors: dict[str, torch.Tensor], splits: dict[str, lis
     objects = [ObjectItem("a.linear_qkv._extra_state/shard_0_1", 0, empty_extra_state())]
 
     def produce(c: ChunkItem) -> torch.Tensor:
-        region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))
+        region = tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes, strict=True))
         return tensors[c.key][region].clone()
 
     write_dcp(folder, chunks, objects, produce)
@@ -77,6 +77,16 @@ def test_reader_assembles_any_chunking(tmp_path):
     assert ckpt.common["content_metadata"] == {"non_homogeneous_layers": True}
     with pytest.raises(CheckpointError, match="outside"):
         ckpt.read("a", (4, 0), (3, 8))
+
+
+@pytest.mark.parametrize("off,size", [((0, 0), (6,)), ((0, 0), (2,)), ((0, 0), (3, 4, 1)), ((0,), (6, 8))])
+def test_reader_refuses_a_region_of_another_rank(tmp_path, off, size):
+    """Offsets and sizes must name every dim: the bounds check once zipped sizes against the shape,
+    so a short or long ``sizes`` passed it and torch failed later (or filled a wrong-rank tensor)."""
+    a = torch.arange(48, dtype=torch.float32).reshape(6, 8).to(torch.bfloat16)
+    _write(tmp_path, {"a": a}, {"a": [((0, 0), (3, 4)), ((0, 4), (3, 4)), ((3, 0), (3, 8))]})
+    with pytest.raises(CheckpointError, match="outside"):
+        TorchDistCheckpoint.open(tmp_path).read("a", off, size)
 
 
 def test_metadata_with_legacy_megatron_classes_loads_without_megatron(tmp_path):

@@ -178,7 +178,7 @@ def _wide_copy(src: Path, out: Path, dtype: torch.dtype) -> Path:
     ckpt = HFCheckpoint.open(src)
     gen = torch.Generator().manual_seed(16)
     values = {}
-    for name, st in ckpt.tensors.items():
+    for name in ckpt.tensors:
         t = ckpt.get(name).float()
         values[name] = (t * (1 + torch.rand(t.shape, generator=gen) * 2.0**-10)).to(dtype)
     from inkling_ckpt.model.inventory import TensorSpec
@@ -225,7 +225,7 @@ def test_quantize_encodes_float32_values_directly(cli, tmp_path, wide):
     assert code == 0, err
     src, q = HFCheckpoint.open(wide["f32"]), HFCheckpoint.open(tmp_path / "q")
     assert str(q.plan) == "0-1:nvfp4,2-3:mxfp8"
-    for st_in, st_out in zip(expert_stacks(src.cfg, src.plan), expert_stacks(q.cfg, q.plan)):
+    for st_in, st_out in zip(expert_stacks(src.cfg, src.plan), expert_stacks(q.cfg, q.plan), strict=True):
         x = read_parts(src, st_in, 0, st_in.shape[0])[""]
         assert x.dtype == torch.float32
         want = encode_stacked(st_out.fmt, x)
@@ -234,7 +234,7 @@ def test_quantize_encodes_float32_values_directly(cli, tmp_path, wide):
                    for k in want), st_out.name
         bf16_first = encode_stacked(st_out.fmt, x.to(torch.bfloat16))
         assert not torch.equal(got[""].view(torch.uint8), bf16_first[""].view(torch.uint8))  # the F32 values count
-    for name, t in src.tensors.items():  # non-experts: as stored, F32
+    for name in src.tensors:  # non-experts: as stored, F32
         if name in q.tensors and q.tensors[name].dtype == torch.float32:
             assert torch.equal(q.get(name), src.get(name))
     # a plan leaving layers unquantized would narrow them: refused, naming --dtype; --dtype f32 keeps them

@@ -121,7 +121,7 @@ def test_streamed_logits_equal_from_pretrained_on_cuda(tiny, mixed, ids):
     _, q, _ = mixed
     on_gpu = fwd.StreamedModel(q, dtype=torch.bfloat16, device="cuda")
     on_cpu = fwd.StreamedModel(q, dtype=torch.bfloat16, device="cpu")
-    for unit_gpu, unit_cpu in zip(on_gpu.units[1:-1], on_cpu.units[1:-1]):
+    for unit_gpu, _ in zip(on_gpu.units[1:-1], on_cpu.units[1:-1], strict=True):
         for src in unit_gpu.sources:
             if src.fmt in fwd.QUANTIZED:
                 parts = {p: on_cpu.reader.get(src.base + p) for p in src.parts}
@@ -193,7 +193,7 @@ def _oracle_decode(parts: dict[str, torch.Tensor]) -> torch.Tensor:
 
     names = ["w", "s", "a", "d"]
     order = ["", "_scale", "_amax", "_outer_scale_denominator"]
-    inputs = {n: parts[o] for n, o in zip(names, order) if o in parts}
+    inputs = {n: parts[o] for n, o in zip(names, order, strict=True) if o in parts}
     return next(iter(Inkling2LoopDequantizeExperts().convert(inputs, names, ["out"]).values()))
 
 

@@ -15,7 +15,6 @@ from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf,
 from ..convert.requantize import requantize
 from ..errors import PlanError
 from ..layouts.hf import HFCheckpoint
-from ..layouts.limits import check_count
 from ..layouts.paths import check_dst
 from ..model.mapping import DEFAULT_PRESET, PRESETS, Preset, get_preset
 from ..model.precision import PrecisionPlan

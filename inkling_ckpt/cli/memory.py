@@ -13,7 +13,7 @@ import typer
 from ..errors import ConfigError, PlanError
 from ..layouts.detect import HF, TORCH_DIST, detect_layout, open_checkpoint
 from ..layouts.hf import INDEX, fetch_config, looks_like_repo_id, parse_size
-from ..model.config import InklingConfig, read_json
+from ..model.config import read_json
 from ..model.inventory import inventory, vision_specs
 from ..model.precision import PrecisionPlan
 from ..model.presets import preset_plan

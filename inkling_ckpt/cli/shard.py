@@ -69,11 +69,11 @@ def shard_cmd(
         if dst is None:
             raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
         check_dst(dst, [src])
-        res = merge(src, dst, force=force, progress=not quiet)
-        if res.skipped:
+        merged = merge(src, dst, force=force, progress=not quiet)
+        if merged.skipped:
             typer.echo(f"{dst}: already holds this merge; nothing to do (--force to redo)")
         else:
-            typer.echo(f"merged into {dst}: {res.files} files, {res.bytes / 2**20:.1f} MiB, byte-identical to the source")
+            typer.echo(f"merged into {dst}: {merged.files} files, {merged.bytes / 2**20:.1f} MiB, byte-identical to the source")
         return
     if tp is None:
         raise PlanError("--tp is required (and --ep, default 1)")

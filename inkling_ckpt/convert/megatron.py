@@ -384,7 +384,7 @@ def _stream_to_hf(reader: TorchDistCheckpoint, m: MegatronMapping, reference: Te
         e, stack, a, b = job
         return encoder.encode(stack, a, m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
 
-    for (e, stack, a, b), parts in _read_ahead(jobs, load):
+    for (_, stack, a, b), parts in _read_ahead(jobs, load):
         write_slice(writer, stack, a, b, parts, advance)
     for name in writer.pending():  # the vision tower: from the reference, bit for bit
         if not is_vision(name):

@@ -10,6 +10,7 @@ bounded by an expert slice, never a layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
@@ -38,11 +39,14 @@ class TensorSource(Protocol):
     cfg: InklingConfig
     plan: PrecisionPlan
 
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...  # the stored names (values are layout-specific)
+
     def get(self, name: str) -> torch.Tensor: ...
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor: ...
     def dtypes(self) -> dict[str, torch.dtype]: ...
     def vision_specs(self) -> list[TensorSpec]: ...
-    def extra_files(self) -> dict[str, bytes]: ...
+    def extra_files(self) -> Mapping[str, bytes | Path]: ...
     def describe(self) -> dict[str, Any]: ...
 
 
@@ -116,7 +120,7 @@ def write_hf_checkpoint(
     job: dict[str, Any],
     specs: list[TensorSpec],
     config: dict[str, Any],
-    extra_files: Mapping[str, bytes],
+    extra_files: Mapping[str, bytes | Path],
     produce: Callable[[HFWriter, Callable[[int], None]], None],
     *,
     max_shard_size: int | str,
@@ -161,8 +165,8 @@ def _stream(src: TensorSource, writer: HFWriter, specs: list[TensorSpec], plan: 
             writer.write(spec.name, src.get(spec.name))
             advance(spec.nbytes)
     for layer in range(src.cfg.num_hidden_layers):
-        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer)):
-            write_stack(writer, out_stack, advance, lambda a, b, o=out_stack, i=in_stack: _slice(src, encoder, o, i, a, b))
+        for out_stack, in_stack in zip(expert_stacks(src.cfg, plan, layer), expert_stacks(src.cfg, src.plan, layer), strict=True):
+            write_stack(writer, out_stack, advance, partial(_slice, src, encoder, out_stack, in_stack))
 
 
 def _slice(src: TensorSource, encoder: ExpertEncoder, out: ExpertStack, inp: ExpertStack, first: int,

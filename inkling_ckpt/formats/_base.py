@@ -59,7 +59,7 @@ class Format:
     ) -> list[Parts]:
         """Encode a fused group (e.g. an expert's gate_proj and up_proj). Default: each on its own."""
         names = _group_names(xs, names)
-        return [self.encode(x, name=n, **kw) for x, n in zip(xs, names)]
+        return [self.encode(x, name=n, **kw) for x, n in zip(xs, names, strict=True)]
 
     def decode(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """Decode parts back to a ``dtype`` tensor (computed in float32, then cast)."""

@@ -214,8 +214,8 @@ class MXFP8Format(Format):
         lead = tuple(w.shape[:-1])
         width = w.shape[-1]
         rows = 1
-        for s in lead:
-            rows *= s
+        for d in lead:
+            rows *= d
         nb = width // BLOCK
         w2 = w.contiguous().view(rows, width)
         sc2 = sc.contiguous().view(rows, nb)

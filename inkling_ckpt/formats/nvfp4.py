@@ -253,11 +253,11 @@ class NVFP4Format(Format):
         if kw.get("weight_scale_2") is None and kw.get("global_amax") is None:
             allow = bool(kw.get("allow_nonfinite", False))
             amaxes = []
-            for x, n in zip(xs, names):
+            for x, n in zip(xs, names, strict=True):
                 rows, width = check_input(self.name, x, n, BLOCK)
                 amaxes.append(_amax(x.detach().contiguous().view(rows, width), n, allow).to(xs[0].device))
             kw = {**kw, "global_amax": torch.stack(amaxes).amax()}
-        return [self.encode(x, name=n, **kw) for x, n in zip(xs, names)]
+        return [self.encode(x, name=n, **kw) for x, n in zip(xs, names, strict=True)]
 
     def _encode_2d(
         self,

@@ -24,6 +24,7 @@ expert by expert. Decoding follows transformers' ``Inkling2LoopDequantizeExperts
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -135,9 +136,9 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
         if not allow_nonfinite and w.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(w)):
             raise NonFiniteError(f"{fname}: {name}: NaN or Inf values; pass --allow-nonfinite to keep them")
         return {WEIGHT: w.detach().contiguous()}
-    codec = fmt if not isinstance(fmt, str) else (MXFP8Format() if fname == "mxfp8" else NVFP4Format())
+    codec: Any = fmt if not isinstance(fmt, str) else (MXFP8Format() if fname == "mxfp8" else NVFP4Format())
     if fname == "mxfp8":
-        p = codec.encode(w, name=name, allow_nonfinite=allow_nonfinite)  # type: ignore[union-attr]
+        p = codec.encode(w, name=name, allow_nonfinite=allow_nonfinite)
         return {WEIGHT: p["weight"], SCALE: p["weight_scale"]}
     e = w.shape[0]
     if amax is not None:
@@ -155,7 +156,7 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
             bam = _block_amax_all(x2)
             ga = bam.amax()
             if bool(torch.isfinite(ga)) and float(ga) >= MIN_GLOBAL_AMAX:
-                wi, si = codec._encode_2d(x2, nvfp4_global_scale(ga), f"{name}[expert {i}]", allow_nonfinite, bam)  # type: ignore[union-attr]
+                wi, si = codec._encode_2d(x2, nvfp4_global_scale(ga), f"{name}[expert {i}]", allow_nonfinite, bam)
                 weight[i], scale[i], used[i] = wi, si, ga
                 continue
         # The expert's amax (kept, or its own max |x|); below 2^-126 the codec uses 1.0, so store that.
@@ -165,7 +166,7 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
             ga = _nvfp4_amax(w[i].reshape(w.shape[1], -1), f"{name}[expert {i}]", allow_nonfinite)
         if bool(torch.isfinite(ga)) and float(ga) < MIN_GLOBAL_AMAX:
             ga = torch.ones((), dtype=torch.float32, device=w.device)
-        p = codec.encode(w[i], name=f"{name}[expert {i}]", global_amax=ga, allow_nonfinite=allow_nonfinite)  # type: ignore[union-attr]
+        p = codec.encode(w[i], name=f"{name}[expert {i}]", global_amax=ga, allow_nonfinite=allow_nonfinite)
         weight[i] = p["weight"]
         scale[i] = p["weight_scale"]
         used[i] = ga

@@ -44,12 +44,20 @@ SHARD_MANIFEST = "inkling-shard.json"
 class Checkpoint(Protocol):
     """What every reader offers (release tensor names; experts as stored in that layout)."""
 
-    layout: str
-    root: Path
-    config: dict[str, Any]
-    cfg: InklingConfig
-    plan: PrecisionPlan
-    tensors: Mapping[str, Any]  # stored release names; values are layout-specific
+    # Read-only members (properties), so each reader may narrow their types.
+    @property
+    def layout(self) -> str: ...
+    @property
+    def root(self) -> Path: ...
+    @property
+    def config(self) -> dict[str, Any]: ...
+    @property
+    def cfg(self) -> InklingConfig: ...
+    @property
+    def plan(self) -> PrecisionPlan: ...
+    @property
+    def tensors(self) -> Mapping[str, Any]: ...  # stored release names; values are layout-specific
+
 
     def expected(self) -> list[TensorSpec]: ...
     def dtypes(self) -> dict[str, torch.dtype]: ...

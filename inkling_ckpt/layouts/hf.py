@@ -15,8 +15,9 @@ import shutil
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, BinaryIO, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -29,7 +30,7 @@ from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_file_inside, check_name, inside
-from .staging import DONE_FILE, JOB_FILE, Staging
+from .staging import DONE_FILE, JOB_FILE
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -192,7 +193,7 @@ class HFCheckpoint:
         try:
             with open(path, "rb", buffering=0) as f:
                 f.seek(st.offset + start * row)
-                got = f.readinto(memoryview(buf.numpy()))
+                got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
         if got != count:
@@ -343,7 +344,7 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
     if end > data_len:
         raise CheckpointError(f"{path}: truncated: header promises {end} data bytes, file has {data_len}")
     ranges.sort()
-    for (a1, b1, n1), (a2, b2, n2) in zip(ranges, ranges[1:]):
+    for (a1, b1, n1), (a2, b2, n2) in pairwise(ranges):
         if a2 < b1:  # two tensors sharing bytes: writing one would change the other
             raise CheckpointError(f"{path}: data_offsets of {n1} [{a1}, {b1}) and {n2} [{a2}, {b2}) overlap")
     return out
@@ -391,7 +392,17 @@ class _Shard:
         self.entries = [(n, specs[n].shape, specs[n].dtype) for n in names]
         self.header, self.offsets = _st_header(self.entries)
         self.remaining = set(names)
-        self.fh = None
+        self.fh: BinaryIO | None = None
+
+
+class StagingFolder(Protocol):
+    """Where :class:`HFWriter` puts its files: a :class:`Staging` folder or a rank's sub-folder of one."""
+
+    @property
+    def path(self) -> Path: ...
+    def is_finished(self, rel: str) -> bool: ...
+    def partial(self, rel: str) -> Path: ...
+    def finish(self, rel: str) -> None: ...
 
 
 class HFWriter:
@@ -402,7 +413,7 @@ class HFWriter:
     have to be produced.
     """
 
-    def __init__(self, staging: Staging, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    def __init__(self, staging: StagingFolder, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
                  files: Mapping[str, str] | None = None):
         """``files``: tensor → file name, in file order (see :func:`reference_sharding`); else split by size."""
         self.staging = staging
@@ -480,7 +491,7 @@ class HFWriter:
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
         shard.fh.seek(len(shard.header) + a + start * row_bytes)
         data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        shard.fh.write(memoryview(data))
+        shard.fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         total = spec.shape[0] if spec.shape else 1
         done = self._rows.get(name, 0) + rows
         if done < total:

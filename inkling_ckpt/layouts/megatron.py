@@ -262,7 +262,8 @@ class _UnitWriter(FileSystemWriter):
         done = _read_sidecar(sidecar, name, items)
         if done is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
             self.units_resumed += 1
-            self._on_written(sum(planner.item_of(wi).nbytes for wi in items if wi.type != WriteItemType.BYTE_IO))  # type: ignore[union-attr]
+            chunks = [planner.item_of(wi) for wi in items if wi.type != WriteItemType.BYTE_IO]
+            self._on_written(sum(c.nbytes for c in chunks if isinstance(c, ChunkItem)))
             return done
         partial = root / (name + ".partial")
         results: list[WriteResult] = []
@@ -278,7 +279,7 @@ class _UnitWriter(FileSystemWriter):
                     hw.write(data.getbuffer())
                 else:
                     try:
-                        torch.save(data, hw)
+                        torch.save(data, hw)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
                     except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
                         if isinstance(e.__context__, OSError):
                             raise e.__context__ from None
@@ -414,7 +415,7 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
     return writer.units_resumed
 
 
-def _first_cause(e: Exception) -> BaseException:
+def _first_cause(e: BaseException) -> BaseException:
     """The first failing rank's own exception (DCP wraps every rank's failure in one).
 
     Bad input (InklingError), I/O errors and interrupts come back as they were, so the
@@ -473,7 +474,7 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
         ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
         ("collections", "OrderedDict"): collections.OrderedDict,
         ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "object"): object,
-        ("copyreg", "_reconstructor"): copyreg._reconstructor,
+        ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]  # private: not in typeshed
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): fs._StorageInfo,
     }
     for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
@@ -650,7 +651,7 @@ def _common_safe_globals() -> list[Any]:
 def _safe_load(data: io.IOBase | Path, what: str) -> Any:
     try:
         with torch.serialization.safe_globals(_common_safe_globals()):
-            return torch.load(data, map_location="cpu", weights_only=True)
+            return torch.load(data, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # any readable, seekable file; torch annotates IO[bytes]
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
@@ -706,7 +707,7 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     boxes = []
     for off, size in st.chunks:
         if len(off) != len(st.shape) or len(size) != len(st.shape) \
-                or any(o < 0 or z <= 0 or o + z > g for o, z, g in zip(off, size, st.shape)):
+                or any(o < 0 or z <= 0 or o + z > g for o, z, g in zip(off, size, st.shape, strict=True)):
             raise CheckpointError(f"{where}: a chunk of {st.key} at {list(off)} size {list(size)} lies outside {list(st.shape)}")
         v = 1
         for z in size:
@@ -724,7 +725,7 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     for off, size in boxes:
         active = [b for b in active if b[0][0] + b[1][0] > off[0]]
         for o2, z2 in active:
-            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2)):
+            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2, strict=True)):
                 raise CheckpointError(f"{where}: chunks of {st.key} at {list(o2)} and {list(off)} overlap")
         active.append((off, size))
 
@@ -842,7 +843,7 @@ class TorchDistCheckpoint:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
                 self._verify(path, info, key)
-                t = _safe_load(_Slice(f, info.offset, info.length), what)  # type: ignore[arg-type]
+                t = _safe_load(_Slice(f, info.offset, info.length), what)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if not isinstance(t, torch.Tensor):
@@ -883,9 +884,9 @@ class TorchDistCheckpoint:
         """
         if key in self._views:
             stored, layer = self._views[key]
-            st = self.keys[key]
-            off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
-            size = tuple(sizes) if sizes is not None else st.shape
+            shape = self.keys[key].shape
+            off = tuple(offsets) if offsets is not None else (0,) * len(shape)
+            size = tuple(sizes) if sizes is not None else shape
             return self._read_stored(self._stacked[stored], (layer, *off), (1, *size))[0]
         st = self.keys.get(key)
         if st is None:
@@ -896,7 +897,8 @@ class TorchDistCheckpoint:
         key = st.key
         off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
         size = tuple(sizes) if sizes is not None else st.shape
-        if len(off) != len(st.shape) or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape)):
+        if len(off) != len(st.shape) or len(size) != len(st.shape) \
+                or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape, strict=True)):
             raise CheckpointError(f"{key}: region {off}+{size} is outside {list(st.shape)}")
         for c_off, c_size in st.chunks:
             if tuple(c_off) == off and tuple(c_size) == size:
@@ -904,16 +906,16 @@ class TorchDistCheckpoint:
         out = torch.empty(size, dtype=st.dtype)
         covered = 0
         for c_off, c_size in st.chunks:
-            lo = [max(a, b) for a, b in zip(off, c_off)]
-            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size)]
-            if any(h <= l for l, h in zip(lo, hi)):
+            lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
+            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
+            if any(y <= x for x, y in zip(lo, hi, strict=True)):
                 continue
             chunk = self._cached_chunk(key, c_off)
-            src = chunk[tuple(slice(l - b, h - b) for l, h, b in zip(lo, hi, c_off))]
-            out[tuple(slice(l - a, h - a) for l, h, a in zip(lo, hi, off))] = src
+            src = chunk[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, c_off, strict=True))]
+            out[tuple(slice(x - a, y - a) for x, y, a in zip(lo, hi, off, strict=True))] = src
             n = 1
-            for l, h in zip(lo, hi):
-                n *= h - l
+            for x, y in zip(lo, hi, strict=True):
+                n *= y - x
             covered += n
         total = 1
         for s in size:

@@ -39,7 +39,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -304,7 +304,7 @@ def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader, by_name: dict[
                 block = as_bytes(ckpt.read_rows(name, r0, r1))
                 if pending is not None:
                     pending.result()
-                pending = pool.submit(h.update, memoryview(block.reshape(-1).numpy()))
+                pending = pool.submit(h.update, memoryview(block.reshape(-1).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
                 for rank in wanted:
                     _hand_rows(p, rank, block, r0, r1, writers[rank])
                 advance(block.numel())
@@ -325,8 +325,11 @@ def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, w
     if not p.spec.shape:
         writer.write(p.name, from_bytes(block, p.spec.dtype))
         return
+    piece = p.holders[rank]
+    if piece is None:  # the rank holds none of it (callers pass only Placement.ranks())
+        return
     local_start = r0
-    for dim, lo, hi in p.region(p.holders[rank]):
+    for dim, lo, hi in p.region(piece):
         if dim == 0:
             a, b = max(r0, lo), min(r1, hi)
             if a >= b:
@@ -398,11 +401,11 @@ def entry_cuts(t: dict[str, Any]) -> tuple[tuple[Cut, ...], tuple[tuple[int, ...
     if t["dim"] is None:
         return (), tuple(None if h is None else () for h in t["holders"])
     cuts = [Cut(t["dim"], t["pieces"])]
-    holders = [None if h is None else (h,) for h in t["holders"]]
+    holders: list[tuple[int, ...] | None] = [None if h is None else (h,) for h in t["holders"]]
     inner = t.get("inner")
     if inner is not None:
         cuts.append(Cut(inner["dim"], inner["pieces"]))
-        holders = [None if h is None else h + (i,) for h, i in zip(holders, inner["holders"])]
+        holders = [None if h is None else h + (i,) for h, i in zip(holders, inner["holders"], strict=True)]
     return tuple(cuts), tuple(holders)
 
 
@@ -420,6 +423,9 @@ def dump_manifest(manifest: dict[str, Any]) -> str:
 
 
 # ---- reading a sharded folder ---------------------------------------------------------------
+
+_Ckpt = TypeVar("_Ckpt", bound="ShardedCheckpoint")  # open() returns the subclass it is called on
+
 
 class ShardedCheckpoint:
     """A sharded folder opened for reading: checks it, then hands out global tensors (whole, or
@@ -440,7 +446,7 @@ class ShardedCheckpoint:
         self._fds: dict[str, int] = {}
 
     @classmethod
-    def open(cls, root: str | Path, *, verify_checksums: bool = True, progress: bool = False) -> "ShardedCheckpoint":
+    def open(cls: type[_Ckpt], root: str | Path, *, verify_checksums: bool = True, progress: bool = False) -> _Ckpt:
         root = Path(root)
         man_path = root / MANIFEST
         if not man_path.is_file():
@@ -496,7 +502,7 @@ class ShardedCheckpoint:
         if fd is None:
             fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
         buf = torch.empty(count, dtype=torch.uint8)
-        got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0
+        got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         if got != count:
             raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
         shape = (stop - start, *local[1:]) if local else ()
@@ -510,13 +516,15 @@ class ShardedCheckpoint:
         inner = [i for i, c in enumerate(cuts) if c.dim != 0]
         out = []
         for rp in range(cuts[row_cut].pieces) if row_cut is not None else [None]:
-            lo, hi = cuts[row_cut].bounds(shape[0], rp) if rp is not None else (0, shape[0] if shape else 1)
+            lo, hi = cuts[row_cut].bounds(shape[0], rp) if rp is not None and row_cut is not None else (0, shape[0] if shape else 1)
             a, b = max(start, lo), min(stop, hi)
             if a >= b:
                 continue
 
-            def assemble(k: int, piece: dict[int, int]) -> torch.Tensor:
+            def assemble(k: int, piece: dict[int, int], rp: int | None = rp, a: int = a, b: int = b,
+                         lo: int = lo) -> torch.Tensor:
                 # The last cut varies fastest: concatenate its pieces, then the enclosing cut's.
+                # (This iteration's row piece and range bound as defaults: no late binding.)
                 if k == len(inner):
                     key = tuple(rp if i == row_cut else piece[i] for i in range(len(cuts)))
                     return self._local_rows(holders.index(key), name, a - lo, b - lo)
@@ -543,7 +551,7 @@ class ShardedCheckpoint:
         """The global tensor's bytes in blocks of dim-0 rows."""
         t = self.tensors[name]
         for a, b in row_blocks(tuple(t["shape"]), ST_TO_DTYPE[t["dtype"]], limit):
-            yield memoryview(self._rows(name, a, b).contiguous().reshape(-1).numpy())
+            yield memoryview(self._rows(name, a, b).contiguous().reshape(-1).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
 
     def raw(self, name: str) -> bytes:
         """The global tensor's bytes, reassembled from the lowest rank holding each piece."""
@@ -653,8 +661,8 @@ def _check_inner(man: dict[str, Any], where: Path) -> None:
                   and len(holders) == tp and t["dim"] is not None and 0 <= dim < len(shape) and dim != t["dim"]
                   and shape[dim] % pieces == 0
                   and all((h is None) == (o is None) and (h is None or (type(h) is int and 0 <= h < pieces))
-                          for h, o in zip(holders, t["holders"]))
-                  and {(o, h) for o, h in zip(t["holders"], holders) if o is not None}
+                          for h, o in zip(holders, t["holders"], strict=True))
+                  and {(o, h) for o, h in zip(t["holders"], holders, strict=True) if o is not None}
                   == {(o, h) for o in range(t["pieces"]) for h in range(pieces)})
         except (KeyError, TypeError):
             ok = False

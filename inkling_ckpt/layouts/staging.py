@@ -30,7 +30,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 
 from .. import __version__
 from ..errors import InklingError, OutputError
@@ -165,7 +165,7 @@ class Staging:
             return False
         return (now.st_dev, now.st_ino) == self._ino and _read_fp(self.path / JOB_FILE) == self.fp
 
-    def __exit__(self, exc_type, exc, tb) -> bool:
+    def __exit__(self, exc_type, exc, tb) -> Literal[False]:
         if self.done:
             return False
         try:
@@ -179,7 +179,7 @@ class Staging:
             if issubclass(exc_type, InklingError):
                 return False
             if issubclass(exc_type, OSError):
-                raise OutputError(f"cannot write {self.dst}: {exc.strerror or exc}") from None  # type: ignore[union-attr]
+                raise OutputError(f"cannot write {self.dst}: {exc.strerror or exc}") from None
             if issubclass(exc_type, RuntimeError) and _is_write_failure(exc):
                 raise OutputError(f"cannot write {self.dst}: {_first_line(exc)} (disk full?)") from None
             return False

@@ -252,10 +252,10 @@ class LoraExport:
             (a, an), (b, bn) = p.whole["A"], p.whole["B"]
             if dims is not None:
                 self._expect(an, a, (self.rank, dims[rule.inp]))
-                out = dims[rule.out]
-                if rule.trim_out is not None and b.shape[0] > out:
-                    b = b[:out]  # padded vocabulary rows: the engine's adapter is unpadded
-                self._expect(bn, b, (out, self.rank))
+                n_out = dims[rule.out]
+                if rule.trim_out is not None and b.shape[0] > n_out:
+                    b = b[:n_out]  # padded vocabulary rows: the engine's adapter is unpadded
+                self._expect(bn, b, (n_out, self.rank))
             tensors = [a, b]
         elif isinstance(rule, ExpertsGateUp):
             (a, an), (b, _, bn) = p.shared["A"], p.experts["B"]
@@ -277,7 +277,7 @@ class LoraExport:
         else:  # pragma: no cover - excluded rows never get here
             raise AdapterError(f"{src}: no rule")
         out = []
-        for (n, _), t in zip(names, tensors):
+        for (n, _), t in zip(names, tensors, strict=True):
             out.append((n, t if t.device.type == "meta" else t.detach().contiguous()))
         return AdapterGroup(out, src, sources=list(p.sources))
 

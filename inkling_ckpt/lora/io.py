@@ -55,6 +55,8 @@ class TensorFile:
         if lo is None:
             lo, hi, lead = 0, None, shape
         else:
+            if hi is None:
+                hi = shape[0]
             lead = (hi - lo, *shape[1:])
         row = _nbytes(shape[1:], dtype) if shape else 0
         n = _nbytes(lead, dtype)
@@ -215,7 +217,7 @@ def write_adapter(st: Staging, config: Mapping[str, Any], planned: Sequence[tupl
                 raise AdapterError(f"{name}: produced {t.dtype} {list(t.shape)}, planned {want[1]} {list(want[0])}")
             data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             fh.seek(len(header) + offsets[name])
-            fh.write(memoryview(data))
+            fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
             digests[name] = tensor_sha256(t)
             if on_written is not None:
                 on_written(len(data))
@@ -244,7 +246,7 @@ class Adapter:
         self.config = config
         self.tensors = tensors
         self.schema = schema
-        self._h = None
+        self._h: TensorFile | None = None
 
     @classmethod
     def open(cls, path: str | Path) -> "Adapter":

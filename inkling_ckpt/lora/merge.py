@@ -26,7 +26,7 @@ import torch
 
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
-from ..errors import AdapterError, CheckpointError, OutputError
+from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
@@ -72,6 +72,7 @@ class _Base:
 
     def __init__(self, root: Path):
         self.root = root
+        wm: dict[str, Any] | None = None
         if (root / INDEX).is_file():
             idx = read_json(root / INDEX, "index")
             wm = idx.get("weight_map") if isinstance(idx, dict) else None
@@ -93,7 +94,7 @@ class _Base:
                 if n in self.where:
                     raise CheckpointError(f"{n}: in both {self.where[n]} and {f}")
                 self.where[n] = f
-        if (root / INDEX).is_file():
+        if wm is not None:
             bad = [n for n, f in wm.items() if self.where.get(n) != f]
             if bad:
                 raise CheckpointError(f"{root / INDEX}: {bad[0]} is not in {wm[bad[0]]}")
@@ -155,7 +156,7 @@ def plan_units(base: _Base, adapter: Adapter, schema: Schema = SCHEMA) -> list[_
 
 def _check_shapes(u: _Unit, base: _Base, adapter: Adapter, r: int) -> None:
     shp = {k: adapter.tensors[n].shape for k, n in u.factors.items()}
-    for k, n in u.factors.items():
+    for n in u.factors.values():
         if adapter.tensors[n].dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise AdapterError(f"{n}: dtype {adapter.tensors[n].dtype} is not a float factor")
     rule = u.target.rule
@@ -211,8 +212,8 @@ def _expert_stack(u: _Unit, base: _Base) -> ExpertStack:
     dtypes = {s: base.meta[name + s][1] for s in (WEIGHT, *_EXPERT_PARTS) if name + s in base.meta}
     fmt = "bf16" if set(dtypes) == {WEIGHT} and wdtype in FLOAT_DTYPES else format_of_parts(dtypes)
     if fmt is None or len(wshape) != 3:
-        got = ", ".join(f"{name}{k} {v}".replace("torch.", "") for k, v in dtypes.items())
-        raise CheckpointError(f"{name}: {got} is no known expert format (BF16; F8_E4M3 + _scale (MXFP8); "
+        listed = ", ".join(f"{name}{k} {v}".replace("torch.", "") for k, v in dtypes.items())
+        raise CheckpointError(f"{name}: {listed} is no known expert format (BF16; F8_E4M3 + _scale (MXFP8); "
                               "U8 + _scale + _amax + _outer_scale_denominator (NVFP4))")
     pack = 2 if fmt == "nvfp4" else 1
     E, rows, stored_cols = wshape
@@ -261,7 +262,7 @@ class _Out:
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
 
 
 class _Merger:
@@ -287,7 +288,7 @@ class _Merger:
     def factor(self, u: _Unit, k: tuple[int, str], first: int | None = None, last: int | None = None) -> torch.Tensor:
         """An adapter factor (or experts ``first:last`` of a stacked one) in float32; non-finite values refused."""
         n = u.factors[k]
-        t = (self.adapter.get(n) if first is None else self.adapter.get_rows(n, first, last)).to(torch.float32)
+        t = (self.adapter.get(n) if first is None or last is None else self.adapter.get_rows(n, first, last)).to(torch.float32)
         if not bool(torch.isfinite(t).all()):
             raise AdapterError(f"{self.adapter.tensors[n].stored}: holds NaN or Inf")
         return t
@@ -515,11 +516,11 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 for f in files:
                     st.finish(f)
                 res.files += len(files)
+            shards = set(b.files)
             for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
                 if p.name.startswith(".") or p.name in b.files:
                     continue
                 if p.is_dir():  # (shards in a subfolder were written above: not copied over)
-                    shards = set(b.files)
                     shutil.copytree(p, st.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
                         n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
                 elif p.is_file():

@@ -309,7 +309,7 @@ class MegatronMapping:
             if row.scope is Scope.GLOBAL:
                 if "{L}" in rule.key:
                     raise ConfigError(f"preset {self.preset.name}: global tensor {row.pattern} under a layer key {rule.key}")
-                places = [None]
+                places: list[int | None] = [None]
             else:
                 if "{L}" not in rule.key:
                     raise ConfigError(f"preset {self.preset.name}: per-layer tensor {row.pattern} under a global key {rule.key}")

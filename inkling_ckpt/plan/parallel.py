@@ -184,7 +184,7 @@ class Placement:
 
     def region(self, piece: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """``(dim, start, stop)`` of each cut for one piece."""
-        return [(c.dim, *c.bounds(self.spec.shape[c.dim], i)) for c, i in zip(self.cuts, piece)]
+        return [(c.dim, *c.bounds(self.spec.shape[c.dim], i)) for c, i in zip(self.cuts, piece, strict=True)]
 
     def pieces(self) -> list[tuple[int, ...]]:
         """Every piece, in the order that reassembles the tensor (last cut fastest)."""

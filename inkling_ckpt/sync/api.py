@@ -152,7 +152,7 @@ class WeightSync:
         self._expert_entries: dict[tuple[int, str], Entry] = {}
         self._expert_names: dict[str, _ExpertName] = {}
         for e in self.mapping.entries():
-            if not e.stacked:
+            if not e.stacked or e.layer is None:  # (a stacked entry is always some layer's)
                 continue
             leaf = "fc1" if self.stacks[e.hf].fused else "fc2"
             self._expert_entries[(e.layer, leaf)] = e

@@ -12,10 +12,11 @@ import torch
 
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 of a tensor's raw bytes (row-major, as stored in safetensors): dtype and shape not included."""
-    return hashlib.sha256(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
 
 
-def _items(emitted, expert_offset: int | None) -> Iterable[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+def _items(emitted, expert_offset: int | None) -> Iterable[tuple[str, torch.Tensor, tuple[int, int | None] | None]]:
     """(name, tensor, rows) from buckets, load groups or pairs, in order. ``rows``: the expert rows
     a stacked-expert slice holds (from its load group, or ``expert_offset`` for bare pairs);
     None for whole tensors."""
@@ -42,7 +43,7 @@ def digests(emitted) -> dict[str, str]:
     out = {}
     for n, t, rows in _items(emitted, None):
         sliced = rows is not None and t.dim() > 0
-        out[f"{n}[{rows[0]}:{rows[0] + t.shape[0]}]" if sliced else n] = tensor_sha256(t)
+        out[f"{n}[{rows[0]}:{rows[0] + t.shape[0]}]" if rows is not None and sliced else n] = tensor_sha256(t)
     return out
 
 
@@ -98,8 +99,8 @@ def verify(emitted, checkpoint, *, expected: Iterable[str] | None = None, expert
             seen.add(name)
             continue
         # a tensor at its stored shape compares whole; a shorter one is a slice of expert rows
-        whole = rows is None or not st.shape or tuple(got.shape) == tuple(st.shape)
-        if whole:
+        whole = not st.shape or tuple(got.shape) == tuple(st.shape)
+        if rows is None or whole:
             label = name
             if name in seen:
                 rep.duplicated.append(name)

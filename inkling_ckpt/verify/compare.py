@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -267,11 +268,11 @@ def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Load
     only_a, only_b = unpaired(a, b)
     for spec in a.expected():
         if spec.part is None and spec.name not in only_a:
-            yield spec.name, DENSE, spec.layer, spec.nbytes, (lambda n=spec.name: _dense(a, b, n))
+            yield spec.name, DENSE, spec.layer, spec.nbytes, partial(_dense, a, b, spec.name)
     for layer in range(cfg.num_hidden_layers):
-        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer)):
+        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer), strict=True):
             nbytes = sum(p.nbytes for p in sa.parts())
-            yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, lambda sa=sa, sb=sb: _experts(a, b, sa, sb))
+            yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, partial(_experts, a, b, sa, sb))
 
 
 def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
@@ -373,7 +374,8 @@ def _worst_key(item: Item) -> tuple[float, float]:
 
 def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool = False) -> dict[str, Any]:
     """The JSON report (schema in the module docstring), with the threshold verdict."""
-    total, by_fmt = Stats(), {}
+    total = Stats()
+    by_fmt: dict[str, Stats] = {}
     by_layer: dict[tuple[int, str], Stats] = {}
     for it in cmp.items:
         total.add(it.stats)
@@ -446,11 +448,11 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
     for key, r in rep.get("rounding", {}).items():
         lines += ["", f"expected rounding ({key}), {r['tensors']} tensors: {r['why']}"]
     nc = rep.get("not_compared", {})
-    for side, other in (("a", "b"), ("b", "a")):
-        names = nc.get(f"only_{side}") or []
+    for which, other in (("a", "b"), ("b", "a")):
+        names = nc.get(f"only_{which}") or []
         if names:
             why = " (a torch_dist checkpoint holds no vision tower)" if rep[other].get("layout") == TORCH_DIST else ""
-            lines += ["", f"not compared: {len(names)} vision tensors only in {side.upper()}{why}"]
+            lines += ["", f"not compared: {len(names)} vision tensors only in {which.upper()}{why}"]
     worst = [t for t in rep["tensors"] if t["bit_exact_tensors"] != 1][:top]
     if worst:
         lines += ["", f"worst {len(worst)} tensors:", f"{'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10} {'verdict':>9}  name"]
@@ -485,7 +487,7 @@ def plot_report(rep: dict[str, Any], path: str | Path) -> int:
             series.setdefault(row["format"], []).append((row["layer"], row["sqnr_db"]))
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     for fmt, pts in sorted(series.items()):
-        xs, ys = zip(*sorted(pts))
+        xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=fmt)
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("decoder layer")

@@ -526,7 +526,9 @@ class StreamedModel:
             with torch.inference_mode():
                 if unit.name == "embed":
                     return self.embed(input_ids.to(self.device))
-                if unit.name == "head":
+                if st is None:  # every unit after the embedding runs on its state
+                    raise CheckpointError(f"verify --forward: {unit.name} ran before the embedding")
+                if unit.layer is None:  # the head (the embedding returned above)
                     return self.head(st)
                 self.layer(unit.layer, st)
                 return st
@@ -584,7 +586,7 @@ def _finite(x: torch.Tensor | float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def hidden_stats(ha: torch.Tensor, hb: torch.Tensor) -> dict[str, float]:
+def hidden_stats(ha: torch.Tensor, hb: torch.Tensor) -> dict[str, float | None]:
     """‖h_B − h_A‖ / ‖h_A‖ (float64 sums) and max |h_B − h_A| of two hidden states."""
     a, b = ha.double(), hb.double()
     d = b - a
@@ -691,7 +693,7 @@ def compare_forward(
         with ByteProgress(total, desc="verify --forward", enabled=progress) as bar:
             st_a = st_b = None
             logits_a = logits_b = None
-            for ua, ub in zip(sa.units, sb.units):
+            for ua, ub in zip(sa.units, sb.units, strict=True):
                 out_a = sa.run_unit(ua, st_a, input_ids)
                 bar.advance(sa.unit_bytes(ua))
                 out_b = sb.run_unit(ub, st_b, input_ids)
@@ -705,6 +707,8 @@ def compare_forward(
                     kind = "sliding" if sa.text.layers[i].attention_type == "sliding_attention" else "full"
                     layers.append({"layer": i, "kind": kind, "format_a": ua.expert_format,
                                    "format_b": ub.expert_format, **hidden_stats(st_a.hidden, st_b.hidden)})
+        if logits_a is None or logits_b is None:  # the head is always the last unit
+            raise CheckpointError("verify --forward: the unembedding did not run")
         stats = logit_stats(logits_a, logits_b)
     finally:
         sa.close()

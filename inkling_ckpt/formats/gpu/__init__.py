@@ -35,9 +35,10 @@ def _load() -> Any:
     if _ops is None:
         try:
             from . import ops as _m
+
+            _ops = _m
         except ImportError:  # no Triton: the reference codec handles CUDA tensors too
-            _m = False
-        _ops = _m
+            _ops = False
     return _ops
 
 

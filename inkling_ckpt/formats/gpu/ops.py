@@ -35,6 +35,7 @@ _ELEM = {  # element: (encoding, MBITS, BIAS, SUB_SCALE = 2^(BIAS-1+MBITS), MIN_
     "e4m3": (E4M3, 3, 7, 2.0**9, 2.0**-6),
     "e5m2": (E5M2, 2, 15, 2.0**16, 2.0**-14),
 }
+_ELEM_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -163,7 +164,7 @@ def mxfp8_encode(x: torch.Tensor, scale_mode: str = "rceil", element: str = "e4m
             K.mxfp8_encode_kernel[grid](xi, q[g0:g1], sc[g0:g1], bad, n, ELEM_MAX=float(enc.max), EMAX=emax,
                                         MBITS=mbits, BIAS=bias, SUB_SCALE=sub_scale, MIN_NORMAL=min_normal,
                                         RCEIL=scale_mode == "rceil", NB=nb, IN_BF16=bf, num_warps=MXFP8_ENC["num_warps"])
-    return q.view(enc.torch_dtype), sc, bad
+    return q.view(_ELEM_DTYPE[element]), sc, bad
 
 
 def nvfp4_decode(w: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
