@@ -109,6 +109,8 @@ def test_shard_dry_run_plans_from_a_bare_config(cli, tmp_path):
     err = _error(cli, "shard", TINY["mixed"], "--tp", "2", "--ep", "2", "--dry-run", "--variant", "bf16")
     assert "holds weights" in err
     err = _error(cli, "shard", config, tmp_path / "out", "--tp", "8", "--ep", "8")
+    err = _error(cli, "shard", TINY["mixed"], tmp_path / "out", "--tp", "2", "--ep", "2", "--variant", "bf16")
+    assert "with --dry-run" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -77,6 +77,8 @@ def shard_cmd(
         return
     if tp is None:
         raise PlanError("--tp is required (and --ep, default 1)")
+    if not dry_run and (variant is not None or plan_text is not None):
+        raise PlanError("--variant/--plan plan a bare config.json with --dry-run; a checkpoint is split as it is stored")
     if dry_run:
         if _bare_config(src):
             cfg, precision, specs, where, note = bare_config(src, variant if plan_text else variant or Variant.mixed, plan_text,
