@@ -12,6 +12,16 @@ each reference's bytes are compared to the kernel's.
 
 Then a whole layer (384 experts) through the weight-sync path on the GPU: wall time per layer,
 GPU kernel time (torch.profiler), and the share outside kernels.
+
+``--stacked`` (or ``--stacked-only``): the public stacked codecs (``formats.stacked``:
+``encode_stacked`` / ``decode_stacked``) on the same rank's release-layout tensors, w13
+[96, 4608, 4608] (gate/up interleaved) and w2 [96, 4608, 2304], BF16 on the device: NVFP4 with
+kept amax (given, on the device) and fresh, MXFP8 RCEIL and FLOOR, decode to BF16; GB/s and
+% of the copy rate as above (host synchronizations included: each call is timed as a whole).
+Beside them, "before": the previous implementation's paths in the same run (NVFP4 encode one
+codec call per expert with host syncs, the gather-based NVFP4 decode; MXFP8 through the codec on
+the whole stack). Last, host tensors encoded/decoded on the device in slices (``device="cuda"``,
+default 1 GiB budget): wall time from host input to host parts.
 """
 
 from __future__ import annotations
@@ -110,6 +120,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="try other tile sizes")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stacked", action="store_true", help="also the public stacked codecs (formats.stacked)")
+    ap.add_argument("--stacked-only", action="store_true", help="copy rate and the stacked codecs only")
     args = ap.parse_args()
 
     import triton
@@ -134,6 +146,16 @@ def main():
     res["copy_GBps"] = copy
     print(f"device copy (2 GiB, read+write): {ms:.3f} ms  {copy:.0f} GB/s", flush=True)
     src = dst = None  # frees the 4 GiB (rebinding, not del: the closures above name them)
+
+    if args.stacked or args.stacked_only:
+        res["stacked"] = stacked_bench(args.experts, copy, row)
+        torch.cuda.empty_cache()
+    if args.stacked_only:
+        res["rows"] = rows
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return
 
     # 2. one EP4 rank's experts
     E = args.experts
@@ -261,6 +283,102 @@ def main():
     print(f"\nsummary (GB/s; % of copy rate {copy:.0f} GB/s)")
     for r in rows:
         print(f"{r['name']:44s} {r['ms']:9.3f} ms {r['GBps']:8.0f} GB/s {r['pct_copy']:6.1f}%")
+
+
+def stacked_bench(E: int, copy: float, row) -> dict:
+    """The public stacked codecs on one EP4 rank's release-layout w13 and w2 (see the docstring)."""
+    from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
+
+    out: dict = {}
+    fc1, fc2 = make_experts(E, seed=2)
+    w13 = torch.stack([fc1[:, :I], fc1[:, I:]], dim=2).reshape(E, 2 * I, H)  # gate/up interleaved
+    del fc1
+    out["w13"] = _stacked_rows("w13", w13, copy, row)
+    out["w2"] = _stacked_rows("w2", fc2, copy, row)
+    del fc2
+    torch.cuda.empty_cache()
+    # host tensors through the device in slices (the pipeline's --device cuda)
+    from inkling_ckpt.formats import get_format
+
+    nv, mx = get_format("nvfp4"), get_format("mxfp8")
+    w_host = w13.cpu()
+    n = w_host.numel()
+    enc_host = {k: v.cpu() for k, v in encode_stacked(nv, w13, name="w13").items()}
+    del w13
+    torch.cuda.empty_cache()
+    for label, fn, nb in (
+        ("NVFP4 encode fresh", lambda: encode_stacked(nv, w_host, name="w13", device="cuda"), 2 * n + n // 2 + n // 16),
+        ("NVFP4 decode -> bf16", lambda: decode_stacked("nvfp4", enc_host, name="w13", device="cuda"), 2 * n + n // 2 + n // 16),
+        ("MXFP8 encode", lambda: encode_stacked(mx, w_host, name="w13", device="cuda"), 3 * n + n // 32),
+    ):
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        ms = timed(fn, reps=2)
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        out[f"host_{label}"] = {"ms": ms, "GBps": gbps(nb, ms), "peak_device_MiB": peak}
+        print(f"host w13 via device slices: {label:24s} {ms:9.1f} ms {gbps(nb, ms):7.1f} GB/s  peak device {peak:.0f} MiB",
+              flush=True)
+    return out
+
+
+def _stacked_rows(tname: str, w: torch.Tensor, copy: float, row) -> dict:
+    from inkling_ckpt.formats import get_format, stacked
+    from inkling_ckpt.formats.stacked import (
+        AMAX,
+        SCALE,
+        WEIGHT,
+        decode_stacked,
+        encode_stacked,
+    )
+
+    nv, mx, mxf = get_format("nvfp4"), get_format("mxfp8"), get_format("mxfp8", scale_mode="floor")
+    n = w.numel()
+    b_nv, b_mx = 2 * n + n // 2 + n // 16, 2 * n + n + n // 32
+    shape = "x".join(str(s) for s in w.shape)
+    fresh = encode_stacked(nv, w, name=tname)
+    amax = fresh[AMAX]
+    factor = amax / torch.full_like(amax, 2688.0)
+    enc8 = encode_stacked(mx, w, name=tname)
+    r: dict = {}
+
+    def pub(key, label, nbytes, fn):
+        """A public call: wall time (do_bench, host sync included) and its GPU kernels alone (profiler)."""
+        ms = bench(fn)
+        k = kernel_time_ms(fn)
+        note = "" if k is None else f"(GPU kernels {k:.3f} ms = {100 * gbps(nbytes, k) / copy:.1f}% of copy)"
+        r[key] = row(label, nbytes, ms, copy, note)
+        r[key]["kernel_ms"] = k
+
+    pub("nvfp4_enc_kept", f"{tname} {shape} NVFP4 encode, kept amax", b_nv, lambda: encode_stacked(nv, w, name=tname, amax=amax))
+    pub("nvfp4_enc_fresh", f"{tname} NVFP4 encode, fresh amax", b_nv, lambda: encode_stacked(nv, w, name=tname))
+    pub("nvfp4_dec", f"{tname} NVFP4 decode -> bf16", b_nv, lambda: decode_stacked("nvfp4", fresh, torch.bfloat16, name=tname))
+    pub("mxfp8_enc", f"{tname} MXFP8 encode (RCEIL)", b_mx, lambda: encode_stacked(mx, w, name=tname))
+    pub("mxfp8_enc_floor", f"{tname} MXFP8 encode (FLOOR)", b_mx, lambda: encode_stacked(mxf, w, name=tname))
+    pub("mxfp8_dec", f"{tname} MXFP8 decode -> bf16", b_mx, lambda: decode_stacked("mxfp8", enc8, torch.bfloat16, name=tname))
+    # before: the previous implementation's code paths (kept as the reference code on the device)
+    r["before_nvfp4_enc_kept"] = row(f"  before: {tname} NVFP4 encode kept (per expert)", b_nv,
+                                     bench(lambda: stacked._encode_reference(nv, "nvfp4", w, amax, tname, False), 500), copy)
+    r["before_nvfp4_enc_fresh"] = row(f"  before: {tname} NVFP4 encode fresh (per expert)", b_nv,
+                                      bench(lambda: stacked._encode_reference(nv, "nvfp4", w, None, tname, False), 500), copy)
+    r["before_nvfp4_dec"] = row(f"  before: {tname} NVFP4 decode (gather, checks not counted)", b_nv,
+                                bench(lambda: stacked._decode_nvfp4_reference(fresh[WEIGHT], fresh[SCALE], factor,
+                                                                              torch.bfloat16), 500), copy)
+    r["before_mxfp8_enc"] = row(f"  before: {tname} MXFP8 encode (codec on the whole stack)", b_mx,
+                                bench(lambda: stacked._encode_reference(mx, "mxfp8", w, None, tname, False)), copy)
+    # bytes: the new paths against the previous ones (the CPU reference itself is pinned by the tests)
+    old = stacked._encode_reference(nv, "nvfp4", w, None, tname, False)
+    same = {
+        "nvfp4_fresh": all(torch.equal(fresh[k].reshape(-1).view(torch.uint8), old[k].reshape(-1).view(torch.uint8))
+                           for k in fresh),
+        "nvfp4_dec": torch.equal(decode_stacked("nvfp4", fresh).view(torch.int16),
+                                 stacked._decode_nvfp4_reference(fresh[WEIGHT], fresh[SCALE], factor,
+                                                                 torch.bfloat16).view(torch.int16)),
+    }
+    r["same_bytes_as_before"] = same
+    print(f"{tname}: same bytes as the previous paths: {same}", flush=True)
+    return r
 
 
 def kernel_time_ms(fn) -> float | None:

@@ -34,7 +34,7 @@ def test_inspect_lists_exactly_the_stored_tensors(cli, variant, expected_plan):
     assert code == 0, err
     info = json.loads(out)
     ckpt = HFCheckpoint.open(TINY[variant])
-    assert info["plan"] == expected_plan and info["variant"] == variant
+    assert info["precision_plan"] == expected_plan and info["variant"] == variant
     assert info["tensors"] == len(ckpt.tensors) == len(ckpt.expected())
     assert info["bytes"] == sum(t.nbytes for t in ckpt.tensors.values())
     code, text, _ = cli("inspect", TINY[variant])

@@ -405,22 +405,24 @@ def test_full_or_read_only_destination(cli, tmp_path, options, match):
 
 
 def test_dry_run_validates_and_writes_nothing(cli, tmp_path, megatron):
-    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run")
+    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run", "--json")
     assert code == 0, err
     info = json.loads(out)
+    assert info["schema"] == "inkling-ckpt/hf-to-megatron-dry-run/1" and info["status"] == "dry-run"
     m = MegatronMapping(HFCheckpoint.open(TINY["mixed"]).cfg)
     assert info["tensors"] == len(m.keys()) and info["extra_state_objects"] == len(m.extra_state())
     assert info["chunks"] == sum(len(e.chunks()) for e in m.entries()) and info["preset"] == "miles"
     assert info["vision_tensors_left_out"] > 0
     assert not (tmp_path / "mg").exists() and list(tmp_path.iterdir()) == []
     code, out, err = cli("convert", "megatron-to-hf", megatron["mixed"], tmp_path / "hf", "--reference", TINY["mixed"],
-                         "--dry-run")
+                         "--dry-run", "--json")
     assert code == 0, err
     assert json.loads(out)["output_tensors"] == len(HFCheckpoint.open(TINY["mixed"]).tensors)
-    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run", "--preset", "bridge")
+    code, out, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--dry-run", "--preset", "bridge",
+                         "--json")
     assert code == 0 and json.loads(out)["preset"] == "bridge", err
     code, _, err = cli("convert", "hf-to-megatron", TINY["mixed"], tmp_path / "mg", "--preset", "nemo")
-    assert code != 0 and "unknown Megatron key preset 'nemo'" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "'nemo' is not one of 'miles', 'bridge'" in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
 
 

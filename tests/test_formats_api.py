@@ -90,12 +90,14 @@ def test_from_compressed_tensors_accepts_scalar_shapes_and_passes_others():
 
 def test_fake_quant_bf16_and_names():
     x = torch.randn(4, 64, requires_grad=True)
-    y = fake_quant(x, "bf16")
+    y = fake_quant("bf16", x)
     assert torch.equal(y.detach(), x.detach().to(BF).float())
     y.sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))
     with pytest.raises(FormatError):
-        fake_quant(x, "int4")
+        fake_quant("int4", x)
+    with pytest.raises(FormatError, match="the format comes first"):
+        fake_quant(x, "bf16")  # the old (x, fmt) order is refused, not misread
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp8", "bf16"])

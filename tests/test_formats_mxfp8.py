@@ -278,7 +278,7 @@ def test_nonfinite_error_and_policy():
 
 def test_fake_quant_mxfp8_bf16():
     x = torch.randn(4, 64, dtype=BF, requires_grad=True)
-    y = fake_quant(x, MX)
+    y = fake_quant(MX, x)
     assert y.dtype == BF and torch.equal(y.detach(), MX.decode(MX.encode(x.detach())))
     y.float().sum().backward()
     assert torch.equal(x.grad, torch.ones_like(x))

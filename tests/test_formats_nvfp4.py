@@ -393,7 +393,7 @@ def test_decode_rejects_bad_parts():
 
 def test_fake_quant_nvfp4():
     x = torch.randn(4, 64, dtype=torch.float32, requires_grad=True)
-    y = fake_quant(x, "nvfp4")
+    y = fake_quant("nvfp4", x)
     assert y.dtype == torch.float32
     assert torch.equal(y.detach(), NV.decode(NV.encode(x.detach()), torch.float32))
     (y * torch.arange(256.0).view(4, 64)).sum().backward()

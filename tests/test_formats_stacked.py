@@ -174,3 +174,45 @@ def test_encode_nonfinite_expert_is_named_or_allowed():
     finite = torch.where(torch.isfinite(x[1].float()), x[1].float().abs(), 0).amax()
     assert float(parts["_amax"][1]) == float(finite)
     assert torch.equal(parts["_amax"][[0, 2]], x[[0, 2]].float().abs().amax(dim=(1, 2)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_budgeted_slices_give_the_same_parts_and_errors(fmt):
+    """budget_bytes works in expert slices (here on the CPU, one or two experts at a time): the
+    same parts, the same decode, the same errors as the whole stack."""
+    w = _w(e=5)
+    whole = encode_stacked(fmt, w, name="w")
+    for budget in (1, 2 * 32 * 64 * 5):
+        sliced = encode_stacked(fmt, w, name="w", budget_bytes=budget, device="cpu")
+        assert list(sliced) == list(whole)
+        for k in whole:
+            assert torch.equal(sliced[k].reshape(-1).view(torch.uint8), whole[k].reshape(-1).view(torch.uint8)), k
+        assert torch.equal(decode_stacked(fmt, whole, budget_bytes=budget).view(torch.int16),
+                           decode_stacked(fmt, whole).view(torch.int16))
+    bad = w.clone()
+    bad[3, 1, 2] = float("inf")
+    bad[4, 0, 0] = float("nan")
+    with pytest.raises(NonFiniteError) as want:
+        encode_stacked(fmt, bad, name="w")
+    with pytest.raises(NonFiniteError) as got:
+        encode_stacked(fmt, bad, name="w", budget_bytes=1)
+    assert str(got.value) == str(want.value)
+    assert ("w[expert 3]" in str(want.value)) == (fmt == "nvfp4")
+    sc = whole[SCALE].clone()
+    sc.view(torch.uint8)[2, 0, 1] = 0xFF
+    with pytest.raises(NonFiniteError, match=r"\(2, 0, 1\)"):
+        decode_stacked(fmt, dict(whole, **{SCALE: sc}), name="w", budget_bytes=1)
+
+
+def test_device_and_dtype_arguments_are_checked():
+    with pytest.raises(FormatError, match="cannot quantize dtype torch.float64"):
+        encode_stacked("nvfp4", _w().double(), name="w")
+    with pytest.raises(FormatError, match="cannot quantize dtype torch.int32"):
+        encode_stacked("mxfp8", torch.ones(2, 4, 32, dtype=torch.int32), name="w")
+    with pytest.raises(FormatError, match="budget_bytes"):
+        encode_stacked("nvfp4", _w(), name="w", budget_bytes=0)
+    with pytest.raises(FormatError, match="unknown device"):
+        encode_stacked("nvfp4", _w(), name="w", device="nowhere")
+    if not torch.cuda.is_available():
+        with pytest.raises(FormatError, match="CUDA is not available"):
+            decode_stacked("nvfp4", encode_stacked("nvfp4", _w(), name="w"), device="cuda")

@@ -395,3 +395,164 @@ def test_nvfp4_decision_boundaries(kernels):
         x = torch.cat([top[:, None], near], 1).reshape(64, -1)
         _check("nvfp4", {}, x.bfloat16(), weight_scale_2=s2)
     _check("nvfp4", {}, x.bfloat16())
+
+
+# -- stacked experts (formats.stacked): batched kernels and device slices ------------------------
+
+STACKED = [("nvfp4", {}), ("mxfp8", {}), ("mxfp8", {"scale_mode": "floor"})]
+STACKED_IDS = ["nvfp4", "mxfp8-rceil", "mxfp8-floor"]
+
+
+def _experts(e=5, r=16, c=128, dtype=torch.bfloat16, seed=0):
+    """Experts of very different ranges, an all-zero one and one of fp32-subnormal size (amax -> 1.0)."""
+    w = torch.stack([_wide_range(r, c, seed=seed + i, dtype=torch.float32) for i in range(e)])
+    w[1] *= 1e-4
+    w[2] = 0
+    if dtype == torch.float32:
+        w[3] = torch.randn(r, c) * 1e-40  # subnormal amax: stored as 1.0
+    return w.to(dtype)
+
+
+def _ref_stacked(fmt, w, **kw):
+    from inkling_ckpt.formats.stacked import encode_stacked
+
+    with gpu.kernels_disabled():
+        return encode_stacked(fmt, w.cpu(), **kw)
+
+
+def _ref_stacked_decode(fmt, parts, dtype, **kw):
+    from inkling_ckpt.formats.stacked import decode_stacked
+
+    with gpu.kernels_disabled():
+        return decode_stacked(fmt, {k: v.cpu() for k, v in parts.items()}, dtype, **kw)
+
+
+def _stacked_error(fn, *a, **kw) -> str:
+    with pytest.raises(NonFiniteError) as ei:
+        fn(*a, **kw)
+    return str(ei.value)
+
+
+@pytest.mark.parametrize("name,opts", STACKED, ids=STACKED_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stacked_kernels_match_the_reference(name, opts, dtype, kernels):
+    from inkling_ckpt.formats.stacked import AMAX, decode_stacked, encode_stacked
+
+    fmt = get_format(name, **opts)
+    w = _experts(dtype=dtype)
+    want = _ref_stacked(fmt, w, name="w13")
+    got = encode_stacked(fmt, w.to(DEV), name="w13")
+    assert all(t.device.type == torch.device(DEV).type for t in got.values())
+    _assert_same_parts(got, want, f"stacked {name}{opts} {dtype}")
+    if name == "nvfp4":  # kept amax (a re-encode), and one that differs from the weights' own
+        kept = want[AMAX] * torch.linspace(0.5, 2.0, w.shape[0])
+        for a in (want[AMAX], kept):
+            _assert_same_parts(encode_stacked(fmt, w.to(DEV), name="w13", amax=a.to(DEV)),
+                               _ref_stacked(fmt, w, name="w13", amax=a), "kept amax")
+            _assert_same_parts(encode_stacked(fmt, w.to(DEV), name="w13", amax=a),  # a host amax
+                               _ref_stacked(fmt, w, name="w13", amax=a), "kept host amax")
+    for out in (torch.bfloat16, torch.float32, torch.float16):
+        dg = decode_stacked(name, got, out)
+        assert _same_values(dg, _ref_stacked_decode(name, want, out)), f"decode {name} -> {out}"
+
+
+@pytest.mark.parametrize("name,opts", STACKED, ids=STACKED_IDS)
+def test_stacked_non_contiguous_and_sliced(name, opts, monkeypatch):
+    """A strided stack (made contiguous in expert slices) and the device-slice path (host input,
+    parts back on the host, tiny budget: one expert per slice) give the reference's bytes."""
+    from inkling_ckpt.formats import stacked
+    from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
+
+    fmt = get_format(name, **opts)
+    base = _experts(e=6, c=160, seed=4)
+    w = base[:, :, 16:144]  # not contiguous
+    want = _ref_stacked(fmt, w, name="w")
+    monkeypatch.setattr(stacked, "_CONTIGUOUS_SLICE_BYTES", 1)  # one expert per slice
+    got = encode_stacked(fmt, base.to(DEV)[:, :, 16:144], name="w")
+    _assert_same_parts(got, want, "non-contiguous")
+    sliced = encode_stacked(fmt, w, name="w", device=DEV, budget_bytes=1)
+    assert all(t.device.type == "cpu" for t in sliced.values())
+    _assert_same_parts(sliced, want, "device slices")
+    _assert_same_parts(encode_stacked(fmt, w, name="w", device=DEV, budget_bytes=3 * 16 * 128 * 6), want, "3 per slice")
+    ref = _ref_stacked_decode(name, want, torch.bfloat16)
+    dec = decode_stacked(name, want, torch.bfloat16, device=DEV, budget_bytes=1)
+    assert dec.device.type == "cpu" and _same_values(dec, ref)
+    # strided weight and scales on the device (each a view into a wider tensor)
+    wide = {k: v.to(DEV) for k, v in want.items()}
+    strided = {k: (torch.cat([v, v], -1)[..., :v.shape[-1]] if v.dim() == 3 else v) for k, v in wide.items()}
+    assert not strided["_scale"].is_contiguous()
+    assert _same_values(decode_stacked(name, strided, torch.bfloat16), ref)
+
+
+@pytest.mark.parametrize("name,opts", STACKED, ids=STACKED_IDS)
+def test_stacked_nonfinite_refused_as_the_reference(name, opts, kernels):
+    """NaN/Inf: the same NonFiniteError text as the CPU reference (first bad expert, index, count),
+    whole, kept amax and device slices; allowed, the same bytes (NaN blocks)."""
+    from inkling_ckpt.formats.stacked import encode_stacked
+
+    fmt = get_format(name, **opts)
+    w = _experts(e=4, seed=2)
+    w[2, 3, 7] = float("nan")
+    w[3, 0, 1] = float("inf")
+    w[3, 5, 9] = float("-inf")
+    want = _stacked_error(_ref_stacked, fmt, w, name="w13")
+    assert _stacked_error(encode_stacked, fmt, w.to(DEV), name="w13") == want
+    assert _stacked_error(encode_stacked, fmt, w, name="w13", device=DEV, budget_bytes=1) == want
+    _assert_same_parts(encode_stacked(fmt, w.to(DEV), name="w13", allow_nonfinite=True),
+                       _ref_stacked(fmt, w, name="w13", allow_nonfinite=True), "allowed")
+    if name == "nvfp4":
+        a = torch.full((4,), 3.0)
+        want = _stacked_error(_ref_stacked, fmt, w, name="w13", amax=a)
+        assert _stacked_error(encode_stacked, fmt, w.to(DEV), name="w13", amax=a.to(DEV)) == want
+        _assert_same_parts(encode_stacked(fmt, w.to(DEV), name="w13", amax=a.to(DEV), allow_nonfinite=True),
+                           _ref_stacked(fmt, w, name="w13", amax=a, allow_nonfinite=True), "allowed, kept")
+        for bad in (0.0, -1.0, float("nan"), float("inf")):
+            a = torch.full((4,), 3.0)
+            a[1] = bad
+            want = _stacked_error(_ref_stacked, fmt, w, name="w13", amax=a, allow_nonfinite=True)
+            assert "expert 1" in want
+            for amax in (a, a.to(DEV)):
+                assert _stacked_error(encode_stacked, fmt, w.to(DEV), name="w13", amax=amax, allow_nonfinite=True) == want
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp8"])
+def test_stacked_decode_bad_scales_as_the_reference(name):
+    from inkling_ckpt.formats.stacked import AMAX, SCALE, decode_stacked
+
+    parts = _ref_stacked(name, _experts(e=4), name="w")
+    cases = [(SCALE, (1, 2, 3), 0xFF if name == "mxfp8" else 0x7F)]
+    if name == "nvfp4":
+        cases += [(SCALE, (2, 0, 1), 0xB8), (AMAX, (3,), float("nan")), (AMAX, (0,), 0.0), (AMAX, (2,), -2.0)]
+    for part, idx, v in cases:
+        bad = {k: t.clone() for k, t in parts.items()}
+        if part == SCALE:
+            bad[part].view(torch.uint8)[idx] = v
+            bad[part].view(torch.uint8)[3, 0, 0] = v  # a later one: the first is named
+        else:
+            bad[part][idx] = v
+        want = _stacked_error(_ref_stacked_decode, name, bad, torch.bfloat16, name="w")
+        dev = {k: t.to(DEV) for k, t in bad.items()}
+        assert _stacked_error(decode_stacked, name, dev, torch.bfloat16, name="w") == want
+        assert _stacked_error(decode_stacked, name, bad, torch.bfloat16, name="w", device=DEV, budget_bytes=1) == want
+        got = decode_stacked(name, dev, torch.bfloat16, name="w", allow_nonfinite=True)
+        assert _same_values(got, _ref_stacked_decode(name, bad, torch.bfloat16, allow_nonfinite=True))
+
+
+def test_stacked_dispatch_is_batched(monkeypatch):
+    """CUDA stacks reach the kernels in one launch per op for all experts (no per-expert codec calls)."""
+    from inkling_ckpt.formats.gpu import ops
+    from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
+
+    calls = []
+    for fn in ("group_amax", "nvfp4_encode", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
+        orig = getattr(ops, fn)
+
+        def wrap(*a, _orig=orig, _fn=fn, **k):
+            calls.append(_fn)
+            return _orig(*a, **k)
+
+        monkeypatch.setattr(ops, fn, wrap)
+    w = _experts(e=7).to(DEV)
+    for name in ("nvfp4", "mxfp8"):
+        decode_stacked(name, encode_stacked(name, w))
+    assert calls == ["group_amax", "nvfp4_encode", "nvfp4_decode", "mxfp8_encode", "mxfp8_decode"], calls

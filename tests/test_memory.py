@@ -173,7 +173,7 @@ def test_cli_checkpoint_folder(tiny_release, cli):
     (["--variant", "mixed", "--tp", "5", "--ep", "5"], "does not divide the 384 routed experts"),
     (["--variant", "mixed", "--tp", "4", "--ep", "2"], "NVFP4 experts cannot be TP-sharded"),
     (["--variant", "mixed", "--tp", "4", "--ep", "4", "--mem-fraction", "1.5"], "--mem-fraction"),
-    (["--variant", "mixed", "--tp", "4", "--ep", "4", "--kv-dtype", "fp4"], "unknown KV-cache dtype"),
+    (["--variant", "mixed", "--tp", "4", "--ep", "4", "--kv-dtype", "fp4"], "'fp4' is not one of 'bf16', 'mxfp8'"),
 ])
 def test_cli_bad_input(cli, args, msg):
     code, _, err = cli("memory", CONFIG, *args)

@@ -46,6 +46,6 @@ def test_impossible_config_value_names_both_fields_and_values(tmp_path):
 def test_bad_option_values_read_as_sentences(cli, tmp_path):
     code, _, err = cli("convert", "megatron-to-hf", tmp_path / "none", tmp_path / "o", "--reference", TINY["mixed"],
                        "--scales", "bogus")
-    assert code != 0 and "--scales 'bogus' is not a scale policy; choose one of" in _one_line(err)
+    assert code == 2 and "Invalid value for '--scales': 'bogus' is not one of 'fresh', 'keep'" in _one_line(err)
     code, _, err = cli("memory", tmp_path / "nothing-here", "--tp", "1")
     assert code != 0 and f"{tmp_path / 'nothing-here'} is neither a checkpoint folder nor a config.json" in _one_line(err)

@@ -178,7 +178,7 @@ def test_inspect_full_size_from_headers_only(tmp_path, cli, plan, count):
     assert code == 0, err
     info = json.loads(out)
     assert info["tensors"] == count and info["parameters"] == 594_046_172_160
-    assert info["plan"] == str(PrecisionPlan.parse(plan, 48))
+    assert info["precision_plan"] == str(PrecisionPlan.parse(plan, 48))
 
 
 def test_detect_plan_names_the_broken_layer():

@@ -103,7 +103,7 @@ def test_config_is_refused_for_folders_that_carry_one(cli, made):
 def test_inspect_torch_dist_is_the_bf16_text_model(cli, made):
     got = _json(cli, "inspect", made["mg"])
     hf = _json(cli, "inspect", TINY["bf16"])  # the BF16 checkpoint tiny-mixed was quantized from
-    assert got["layout"] == "torch_dist" and got["variant"] == "bf16" and got["plan"] == "0-3:bf16"
+    assert got["layout"] == "torch_dist" and got["variant"] == "bf16" and got["precision_plan"] == "0-3:bf16"
     assert got["storage"]["preset"] == "miles" and got["storage"]["source_plan"] == "0-1:nvfp4,2-3:mxfp8"
     assert got["storage"]["config"].endswith(COMMON)
     assert got["layers"] == hf["layers"] and got["formats"] == hf["formats"]
@@ -121,7 +121,7 @@ def test_inspect_sharded_is_its_source(cli, made):
     hf = _json(cli, "inspect", TINY["mixed"])
     assert got["layout"] == "sharded" and hf["layout"] == "hf"
     assert {k: got["storage"][k] for k in ("tp", "ep", "ranks")} == {"tp": 2, "ep": 2, "ranks": 2}
-    for key in ("variant", "plan", "model", "tensors", "parameters", "bytes", "bytes_by_category", "bytes_by_dtype",
+    for key in ("variant", "precision_plan", "model", "tensors", "parameters", "bytes", "bytes_by_category", "bytes_by_dtype",
                 "formats", "layers"):
         assert got[key] == hf[key], key
 

@@ -96,7 +96,7 @@ def test_shard_dry_run_plans_from_a_bare_config(cli, tmp_path):
     code, out, err = cli("shard", config, "--tp", "8", "--ep", "8", "--dry-run", "--json")
     assert code == 0, err
     got = json.loads(out)
-    assert got["precision_plan"] == "0-39:nvfp4,40-47:mxfp8" and got["plan"] == {"tp": 8, "ep": 8, "moe_tp": 1}
+    assert got["precision_plan"] == "0-39:nvfp4,40-47:mxfp8" and got["parallel_plan"] == {"tp": 8, "ep": 8, "moe_tp": 1}
     assert len(got["ranks"]) == 8 and got["experts"]["0"]["experts"] == [0, 48]
     # the same bytes per rank as `memory` reports for the same bare config
     code, out, err = cli("memory", config, "--tp", "8", "--ep", "8", "--variant", "mixed", "--json")

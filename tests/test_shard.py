@@ -299,7 +299,7 @@ def test_cli_shard_dry_run_and_merge(tiny_release, cli, tmp_path):
     assert "bytes per rank" in out and not (tmp_path / "out").exists()
     code, out, _ = cli("shard", src, "--tp", "2", "--ep", "2", "--dry-run", "--json")
     info = json.loads(out)
-    assert code == 0 and len(info["ranks"]) == 2 and info["plan"]["moe_tp"] == 1
+    assert code == 0 and len(info["ranks"]) == 2 and info["parallel_plan"]["moe_tp"] == 1
     code, out, _ = cli("shard", src, tmp_path / "sh", "--tp", "2", "--ep", "1", "-q")
     assert code == 0 and "2 ranks" in out
     code, out, _ = cli("shard", "--merge", tmp_path / "sh", tmp_path / "back", "-q")

@@ -58,7 +58,7 @@ def test_report_schema(mixed_vs_bf16):
     assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared",
                         "rounding"}
     assert rep["not_compared"] == {"only_a": [], "only_b": []}
-    assert set(rep["a"]) == {"path", "layout", "variant", "plan"}
+    assert set(rep["a"]) == {"source", "layout", "variant", "precision_plan"}
     stats = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs", "rel_rmse",
              "sqnr_db"}
     assert all(set(v) == stats for v in rep["formats"].values())
@@ -84,10 +84,13 @@ def test_format_labels_between_quantized_variants():
 
 
 def _cli(argv, capsys):
-    with pytest.raises(SystemExit) as e:
+    try:
         main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code
     out = capsys.readouterr()
-    return e.value.code, out.out, out.err
+    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("args,code", [

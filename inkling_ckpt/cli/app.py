@@ -1,25 +1,49 @@
-"""The ``inkling-ckpt`` command: a thin typer layer over the library.
+"""The ``inkling-ckpt`` command: a thin typer layer over :mod:`inkling_ckpt.api`.
 
-Every command module registers itself on :data:`app`; :func:`main` turns each
-:class:`~inkling_ckpt.errors.InklingError` into one line on stderr and a non-zero exit.
+Every command module registers itself on :data:`app` and imports the library inside its
+command body, so ``--help``, ``--version`` and shell completion answer without torch.
+:func:`main` turns each :class:`~inkling_ckpt.errors.InklingError` into one line on stderr and
+a non-zero exit (``-vv`` adds the traceback).
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
+from typing import Optional
 
 import typer
 
+from .. import __version__
 from ..errors import InklingError
+from .options import setup, verbosity
 
 app = typer.Typer(
     name="inkling-ckpt",
-    help="Convert, quantize (NVFP4/MXFP8), shard and verify Inkling 2 Small checkpoints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"inkling-ckpt {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Optional[bool] = typer.Option(None, "--version", callback=_version, is_eager=True,
+                                           help="Print the version and exit."),
+) -> None:
+    """Convert, quantize (NVFP4/MXFP8), shard and verify Inkling 2 Small checkpoints.
+
+    Every command takes --json (a report with a versioned 'schema' key) and -v; every command that
+    writes takes --dry-run (validate, report, write nothing). Sizes people read are decimal (GB = 10^9 B).
+    """
 
 
 def _register() -> None:
@@ -35,14 +59,28 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     _register()
+    setup(0)  # each run starts quiet (in-process callers run several)
     try:
-        app(args=argv, standalone_mode=True)
+        code = app(args=argv, standalone_mode=False)
     except InklingError as e:
+        if verbosity() >= 2:
+            traceback.print_exc()
         print(f"inkling-ckpt: error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
+    except typer.TyperException as e:  # a usage error: unknown option, bad choice, missing argument
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare group (`inkling-ckpt convert`): its help
+            e.show()  # type: ignore[attr-defined]
+        else:
+            message = " ".join(e.format_message().replace("Value error, ", "").split())
+            ctx = getattr(e, "ctx", None)
+            where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+            print(f"inkling-ckpt: error: {message.rstrip('.')}{where}", file=sys.stderr)
+        sys.exit(getattr(e, "exit_code", 2))
+    except (KeyboardInterrupt, typer.Abort):
         print("inkling-ckpt: interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

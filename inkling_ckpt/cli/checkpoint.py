@@ -2,175 +2,143 @@
 
 from __future__ import annotations
 
-import json
-from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
-from ..convert.requantize import Result, requantize
-from ..errors import PlanError
-from ..verify.inspect import inspect_checkpoint, render_inspect
-from ..layouts.detect import open_checkpoint
-from ..layouts.hf import HFCheckpoint, parse_size
-from ..layouts.limits import check_count
-from ..layouts.paths import check_dst
-from ..model.precision import PrecisionPlan
-from ..model.presets import PRESETS, preset_plan
-from ..model.synth import SynthSource
 from .app import app
+from .options import (CONFIG, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, QUIET, REVISION,
+                      TOKEN, VERBOSE, DenseDtype, Scales, Size, Variant, emit, hub, render_job, setup)
 
 
-class Variant(str, Enum):
-    bf16 = "bf16"
-    mixed = "mixed"
-    mxfp8 = "mxfp8"
-    nvfp4 = "nvfp4"
-
-
-class ScalesOpt(str, Enum):
-    fresh = "fresh"
-    keep = "keep"
-
-
-class Size(str, Enum):
-    tiny = "tiny"
-    small = "small"
-    wide = "wide"
-
-
-MAX_FIXTURE_LAYERS = 256  # synthetic checkpoints: far beyond any test, well below a hang
-MAX_FIXTURE_EXPERTS = 4096
-SHARD_OPT = typer.Option(None, "--max-shard-size", help="Largest safetensors shard, e.g. 5GB, 500MB. Default: the "
-                         "source's (or --reference's) files and index when the output holds exactly its tensors, "
-                         "else 5GB.")
-FORCE_OPT = typer.Option(False, "--force", help="Replace DST even if it holds a finished or different output.")
-QUIET_OPT = typer.Option(False, "--quiet", "-q", help="No progress bar.")
-CONFIG_OPT = typer.Option(None, "--config", help="For a torch_dist folder not written by inkling-ckpt (whose "
-                          "common.pt keeps no copy): the model's config.json, or the HF folder holding it.")
-class DenseDtype(str, Enum):
-    bf16 = "bf16"
-    f16 = "f16"
-    f32 = "f32"
-
-
-DTYPE_OPT = typer.Option(None, "--dtype", help="Dtype of the routed experts the output holds unquantized. Default: "
-                         "their stored dtype where the source holds them unquantized (a cast that would round them, "
-                         "F32 -> BF16, is refused and names this option), else BF16.")
-NONFINITE_OPT = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
-
-
-def report(result: Result, what: str) -> None:
-    """One summary line (and notes) for a finished, resumed or skipped job."""
-    if result.skipped:
-        typer.echo(f"{result.dst}: already holds this {what}; nothing to do (--force to redo)")
-        return
-    how = "resumed and finished" if result.resumed else "wrote"
-    typer.echo(f"{how} {result.dst}: {result.tensors} tensors, {result.bytes / 2**20:.1f} MiB")
-    for note in result.notes:
-        typer.echo(f"note: {note}")
+def report(rep: dict[str, Any], as_json: bool) -> None:
+    """Print a writing job's report (JSON or one summary line and its notes)."""
+    emit(rep, as_json, render_job)
 
 
 @app.command("make-fixture")
 def make_fixture(
-    out: Path = typer.Argument(..., help="Folder to write the checkpoint into."),
-    variant: Variant = typer.Option(Variant.bf16, help="bf16, mixed (NVFP4 then MXFP8 layers), mxfp8 or nvfp4."),
-    size: Size = typer.Option(Size.tiny, help="tiny (a few MB), small, or wide (real 2304x4608 experts, GBs)."),
-    layers: Optional[int] = typer.Option(None, help="Override the number of decoder layers."),
-    experts: Optional[int] = typer.Option(None, help="Override the number of routed experts."),
-    max_shard_size: str = typer.Option("2MB", "--max-shard-size", help="Largest shard (small, to exercise sharding)."),
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
+    out: Path = typer.Argument(..., metavar="OUT", help="Folder to write the checkpoint (or with --lora the adapter "
+                                                       "dump) into."),
+    variant: Variant = typer.Option(Variant.bf16, "--variant", help="mixed: NVFP4 then MXFP8 layers."),
+    size: Size = typer.Option(Size.tiny, "--size", help="tiny (a few MB), small, or wide (real 2304x4608 experts, GBs)."),
+    layers: Optional[int] = typer.Option(None, "--layers", metavar="N", help="Override the number of decoder layers."),
+    experts: Optional[int] = typer.Option(None, "--experts", metavar="N", help="Override the number of routed experts."),
+    max_shard_size: str = typer.Option("2MB", "--max-shard-size", metavar="SIZE",
+                                       help="Largest shard (small, to exercise sharding)."),
+    lora: bool = typer.Option(False, "--lora", help="Write a trainer-side LoRA adapter dump for this fixture instead "
+                                                    "(OUT/lora.safetensors, Megatron-Bridge names): the input of "
+                                                    "`lora export`."),
+    lora_rank: int = typer.Option(8, "--lora-rank", metavar="R", help="With --lora: the adapter rank."),
+    lora_alpha: int = typer.Option(16, "--lora-alpha", metavar="ALPHA", help="With --lora: lora_alpha (in the dump's "
+                                                                             "metadata)."),
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
     """Write a deterministic, Inkling-2-shaped HF checkpoint with trained-looking weights.
 
-    The quantized variants are exactly what `quantize` makes of the BF16 one.
+    The quantized variants are exactly what `quantize` makes of the BF16 one. With --lora, OUT is a
+    trainer adapter dump for the fixture of --size/--layers/--experts instead:
+
+      inkling-ckpt make-fixture /tmp/dump --lora
+      inkling-ckpt lora export /tmp/dump /tmp/adapter --config fixtures/tiny-bf16
+      inkling-ckpt lora merge fixtures/tiny-mixed /tmp/adapter /tmp/merged
     """
-    check_count(layers, "--layers", MAX_FIXTURE_LAYERS)
-    check_count(experts, "--experts", MAX_FIXTURE_EXPERTS)
-    src = SynthSource(size.value, layers=layers, experts=experts)
-    plan = PrecisionPlan.parse(preset_plan(size.value, variant.value, src.cfg.num_hidden_layers), src.cfg.num_hidden_layers)
-    result = requantize(src, out, plan, max_shard_size=parse_size(max_shard_size), force=force,
-                        progress=not quiet, command="make-fixture")
-    report(result, "fixture")
+    setup(verbose)
+    from .. import api
+
+    rep = api.make_fixture(out, variant=variant.value, size=size.value, layers=layers, experts=experts,
+                           max_shard_size=max_shard_size, lora=lora, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                           force=force, dry_run=dry_run, progress=not quiet)
+    if lora and not as_json and rep["status"] != "dry-run":
+        from ..units import fmt_bytes
+
+        rep_line = "already holds this dump; nothing to do" if rep["status"] == "skipped" else "wrote"
+        typer.echo(f"{rep_line} {out}/{rep['file']}: LoRA trainer dump, {rep['tensors']} tensors, "
+                   f"{fmt_bytes(rep['bytes'])}, r={rep['r']}, alpha={rep['lora_alpha']}")
+        return
+    report(rep, as_json)
 
 
 @app.command("inspect")
 def inspect_cmd(
-    ckpt: str = typer.Argument(..., help="Checkpoint folder: HF (or hub repo id), sharded (inkling-ckpt shard) or "
-                                         "Megatron torch_dist (convert hf-to-megatron)."),
-    config: Optional[Path] = CONFIG_OPT,
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    ckpt: str = typer.Argument(..., metavar="CKPT", help="Checkpoint folder: HF (or hub repo id), sharded (inkling-ckpt "
+                                                         "shard) or Megatron torch_dist (convert hf-to-megatron)."),
+    config: Optional[Path] = CONFIG,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    as_json: bool = JSON,
+    verbose: int = VERBOSE,
 ) -> None:
     """Variant, precision plan, tensors per layer and format, and bytes — from headers only.
 
     The layout is detected from the folder. A torch_dist folder is shown as the release tensors it holds (read back through the key mapping: routed experts BF16, no vision tower).
     """
-    src = open_checkpoint(ckpt, config=config)
-    try:
-        info = inspect_checkpoint(src)
-    finally:
-        src.close()
-    typer.echo(json.dumps(info, indent=2) if as_json else render_inspect(info))
+    setup(verbose)
+    from .. import api
+    from ..verify.inspect import render_inspect
 
-
-def _plan_for(src: HFCheckpoint, text: str) -> PrecisionPlan:
-    return PrecisionPlan.parse(text, src.cfg.num_hidden_layers)
-
-
-def _dtype(value: "DenseDtype | None") -> str | None:
-    return None if value is None else value.value
-
-
-def _size(text: str | None) -> int | None:
-    """``--max-shard-size`` in bytes; None keeps the source's files where the output allows."""
-    return None if text is None else parse_size(text)
+    with hub(revision, token):
+        emit(api.inspect(ckpt, config=config), as_json, render_inspect)
 
 
 @app.command("quantize")
 def quantize(
-    src: str = typer.Argument(..., help="Source HF checkpoint (BF16, or already quantized)."),
-    dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
-    plan: str = typer.Option(..., "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or mxfp8."),
-    scales: ScalesOpt = typer.Option(ScalesOpt.fresh, "--scales",
-                                     help="fresh: global scales from these weights; keep: from --reference "
-                                          "(unchanged weights then reproduce the reference bytes)."),
-    reference: Optional[str] = typer.Option(None, "--reference", help="Quantized checkpoint to keep scales from."),
-    dtype: Optional[DenseDtype] = DTYPE_OPT,
-    max_shard_size: Optional[str] = SHARD_OPT,
-    allow_nonfinite: bool = NONFINITE_OPT,
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
+    src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (BF16, or already quantized)."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),
+    plan: str = typer.Option(..., "--plan", metavar="PLAN", help=PLAN_HELP),
+    scales: Scales = typer.Option(Scales.fresh, "--scales",
+                                  help="fresh: global scales from these weights; keep: NVFP4 amax (and the bytes of "
+                                       "unchanged blocks) from --reference, or from SRC when it is quantized."),
+    reference: Optional[str] = typer.Option(None, "--reference", metavar="REF",
+                                            help="Quantized checkpoint to keep scales from (--scales keep)."),
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
+    allow_nonfinite: bool = NONFINITE,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
-    """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit."""
-    check_dst(dst, [src, reference])
-    ckpt = HFCheckpoint.open(src)
-    ref = HFCheckpoint.open(reference) if reference else None
-    result = requantize(ckpt, dst, _plan_for(ckpt, plan), scales=scales.value, reference=ref,
-                        max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="quantize", dtype=_dtype(dtype))
-    report(result, "quantization")
+    """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit.
+
+    Example: inkling-ckpt quantize fixtures/tiny-bf16 /tmp/tiny-q --plan 0-1:nvfp4,2-3:mxfp8
+    """
+    setup(verbose)
+    from .. import api
+
+    with hub(revision, token):
+        report(api.quantize(src, dst, plan, scales=scales.value, reference=reference, max_shard_size=max_shard_size,
+                            allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run, progress=not quiet,
+                            dtype=dtype.value if dtype else None),
+               as_json)
 
 
 @app.command("dequantize")
 def dequantize(
-    src: str = typer.Argument(..., help="Quantized HF checkpoint."),
-    dst: Path = typer.Argument(..., help="Destination folder for the BF16 checkpoint."),
-    dtype: Optional[DenseDtype] = DTYPE_OPT,
-    max_shard_size: Optional[str] = SHARD_OPT,
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
+    src: str = typer.Argument(..., metavar="SRC", help="Quantized HF checkpoint."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Destination folder for the BF16 checkpoint."),
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
-    """Decode every routed expert to BF16 (or --dtype)."""
-    check_dst(dst, [src])
-    ckpt = HFCheckpoint.open(src)
-    target = PrecisionPlan.uniform(dtype.value if dtype else "bf16", ckpt.cfg.num_hidden_layers)
-    if target == ckpt.plan:
-        raise PlanError(f"{src} is already {ckpt.plan.variant.upper()}: nothing to decode")
-    result = requantize(ckpt, dst, target, max_shard_size=_size(max_shard_size), force=force, progress=not quiet,
-                        command="dequantize", dtype=_dtype(dtype))
-    report(result, "dequantization")
+    """Decode every routed expert to BF16."""
+    setup(verbose)
+    from .. import api
 
-
-__all__ = ["PRESETS", "report"]
+    with hub(revision, token):
+        report(api.dequantize(src, dst, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
+                              progress=not quiet, dtype=dtype.value if dtype else None), as_json)

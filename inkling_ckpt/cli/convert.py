@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,16 +9,10 @@ from typing import Iterator, Optional
 
 import typer
 
-from ..convert.experts import SCALE_POLICIES
-from ..convert.megatron import describe_hf_to_megatron, describe_megatron_to_hf, hf_to_megatron, megatron_to_hf
-from ..convert.requantize import requantize
-from ..errors import PlanError
-from ..layouts.hf import HFCheckpoint
-from ..layouts.paths import check_dst
-from ..model.mapping import DEFAULT_PRESET, PRESETS, Preset, get_preset
-from ..model.precision import PrecisionPlan
 from .app import app
-from .checkpoint import DTYPE_OPT, FORCE_OPT, NONFINITE_OPT, QUIET_OPT, SHARD_OPT, DenseDtype, _dtype, _size, report
+from .checkpoint import report
+from .options import (DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, PRESET, QUIET, READ_PRESET,
+                      REVISION, TOKEN, VERBOSE, DenseDtype, Preset, Scales, hub, setup)
 
 convert_app = typer.Typer(
     name="convert",
@@ -30,23 +23,9 @@ convert_app = typer.Typer(
         "an interrupted one when rerun with the same arguments."
     ),
     no_args_is_help=True,
+    rich_markup_mode=None,
 )
 app.add_typer(convert_app)
-
-PRESET_OPT = typer.Option(
-    DEFAULT_PRESET, "--preset",
-    help=f"Megatron key layout: {', '.join(PRESETS)} (miles: one Megatron layer per decoder layer, as Miles' "
-         "Inkling; bridge: Megatron-Core HybridModel, attention of layer i at 2i and its MoE at 2i+1).")
-READ_PRESET_OPT = typer.Option(
-    None, "--preset",
-    help=f"Megatron key layout of SRC: {', '.join(PRESETS)}. Default: the one SRC records (inkling-ckpt writes it into "
-         "common.pt), else the one whose keys SRC holds.")
-DRY_RUN_OPT = typer.Option(False, "--dry-run", help="Validate the input and print (JSON) what would be written; write nothing.")
-
-SCALES_HELP = (
-    "Expert scales: 'keep' takes each NVFP4 expert's amax from the reference and reuses the reference's bytes for "
-    "unchanged blocks (unchanged weights then come back byte-identical), 'fresh' derives every scale from the weights."
-)
 
 
 @contextmanager
@@ -84,36 +63,38 @@ def _steady_memory() -> None:
 
 def _one_process(command: str) -> None:
     """Refuse torchrun for commands that write one HF folder from one process."""
+    from ..errors import PlanError
+
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise PlanError(f"convert {command} runs in one process; start it without torchrun "
                         "(only hf-to-megatron splits its work over ranks)")
+
+
+def _dt(dtype: "DenseDtype | None") -> str | None:
+    return None if dtype is None else dtype.value
 
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def _preset(name: str | None) -> Preset | None:
-    return None if name is None else get_preset(name)
-
-
-def _scales(value: str) -> str:
-    if value not in SCALE_POLICIES:
-        raise PlanError(f"--scales {value!r} is not a scale policy; choose one of {', '.join(SCALE_POLICIES)}")
-    return value
-
-
 @convert_app.command("hf-to-megatron")
 def hf_to_megatron_cmd(
-    src: str = typer.Argument(..., help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or mixed."),
-    dst: Path = typer.Argument(..., help="Megatron save folder to create (holds latest_checkpointed_iteration.txt and release/)."),
-    preset: str = PRESET_OPT,
+    src: str = typer.Argument(..., metavar="SRC", help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or "
+                                                       "mixed."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Megatron save folder to create (holds "
+                                                        "latest_checkpointed_iteration.txt and release/)."),
+    preset: Preset = PRESET,
     dtype: Optional[DenseDtype] = typer.Option(None, "--dtype", help="bf16: round routed experts SRC stores in F32 or "
                                                "F16 to BF16, as Megatron holds them (refused without it)."),
-    allow_nonfinite: bool = NONFINITE_OPT,
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
-    dry_run: bool = DRY_RUN_OPT,
+    allow_nonfinite: bool = NONFINITE,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
@@ -123,40 +104,46 @@ def hf_to_megatron_cmd(
 
     Example: inkling-ckpt convert hf-to-megatron fixtures/tiny-mixed /tmp/tiny-megatron
     """
-    if not dry_run:
-        check_dst(dst, [src])
-    if dry_run:
-        ranks = int(os.environ.get("WORLD_SIZE", "1"))
-        info = describe_hf_to_megatron(HFCheckpoint.open(src), preset=get_preset(preset), ranks=ranks,
-                                       dtype=_dtype(dtype))
-        if _rank() == 0:
-            typer.echo(json.dumps(info, indent=2))
-        return
-    _steady_memory()
-    with _torchrun():
-        ckpt = HFCheckpoint.open(src)
-        result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
-                                progress=not quiet and _rank() == 0, dtype=_dtype(dtype))
-        if _rank() == 0:
-            report(result, "conversion")
+    setup(verbose)
+    from .. import api
+
+    with hub(revision, token):
+        if dry_run:
+            rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, dry_run=True, dtype=_dt(dtype))
+        else:
+            _steady_memory()
+            with _torchrun():
+                rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, allow_nonfinite=allow_nonfinite,
+                                                 force=force, progress=not quiet and _rank() == 0, dtype=_dt(dtype))
+    if _rank() == 0:
+        report(rep, as_json)
 
 
 @convert_app.command("megatron-to-hf")
 def megatron_to_hf_cmd(
-    src: Path = typer.Argument(..., help="Megatron torch_dist checkpoint: the save folder or an iteration folder (release/, iter_N/)."),
-    dst: Path = typer.Argument(..., help="Destination HF checkpoint folder (published atomically)."),
-    reference: str = typer.Option(..., "--reference", help="The HF checkpoint the weights came from: gives the configs, "
-                                                           "the vision tower, the default plan and the kept scales."),
-    plan: Optional[str] = typer.Option(None, "--plan", help="Per-layer expert formats, e.g. 0-39:nvfp4,40-47:mxfp8 or bf16. "
-                                                            "Default: the reference's."),
-    scales: str = typer.Option("keep", "--scales", help=SCALES_HELP),
-    preset: Optional[str] = READ_PRESET_OPT,
-    dtype: Optional[DenseDtype] = DTYPE_OPT,
-    max_shard_size: Optional[str] = SHARD_OPT,
-    allow_nonfinite: bool = NONFINITE_OPT,
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
-    dry_run: bool = DRY_RUN_OPT,
+    src: Path = typer.Argument(..., metavar="SRC", help="Megatron torch_dist checkpoint: the save folder or an "
+                                                        "iteration folder (release/, iter_N/)."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Destination HF checkpoint folder (published atomically)."),
+    reference: str = typer.Option(..., "--reference", metavar="REF",
+                                  help="The HF checkpoint the weights came from: gives the configs, the vision tower, "
+                                       "the default plan and the kept scales."),
+    plan: Optional[str] = typer.Option(None, "--plan", metavar="PLAN", help=PLAN_HELP + " Default: the reference's."),
+    scales: Scales = typer.Option(Scales.keep, "--scales",
+                                  help="keep: each NVFP4 expert's amax from --reference, and the reference's bytes "
+                                       "for unchanged blocks (an untouched checkpoint comes back byte for byte); "
+                                       "fresh: every scale from the weights. Where the reference holds no layer in "
+                                       "the plan's format there is nothing to keep: the report says so."),
+    preset: Optional[Preset] = READ_PRESET,
+    dtype: Optional[DenseDtype] = DTYPE,
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    allow_nonfinite: bool = NONFINITE,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
     """Bring trained Megatron weights back to HF in the served precision.
 
@@ -164,32 +151,37 @@ def megatron_to_hf_cmd(
 
     Example: inkling-ckpt convert megatron-to-hf /tmp/tiny-megatron /tmp/tiny-back --reference fixtures/tiny-mixed
     """
+    setup(verbose)
     _one_process("megatron-to-hf")
+    from .. import api
+
     if not dry_run:
-        check_dst(dst, [src, reference])
-    _steady_memory()
-    ref = HFCheckpoint.open(reference)
-    p = PrecisionPlan.parse(plan, ref.cfg.num_hidden_layers) if plan else None
-    if dry_run:
-        typer.echo(json.dumps(describe_megatron_to_hf(src, ref, plan=p, preset=_preset(preset), dtype=_dtype(dtype)), indent=2))
-        return
-    result = megatron_to_hf(src, dst, ref, plan=p, scales=_scales(scales), preset=_preset(preset),  # type: ignore[arg-type]
-                            max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite,
-                            force=force, progress=not quiet, dtype=_dtype(dtype))
-    report(result, "conversion")
+        _steady_memory()
+    with hub(revision, token):
+        report(api.convert_megatron_to_hf(src, dst, reference, plan=plan, scales=scales.value, preset=preset.value if preset else None,
+                                          max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite, force=force,
+                                          dry_run=dry_run, progress=not quiet, dtype=_dt(dtype)), as_json)
 
 
 @convert_app.command("hf-to-hf")
 def hf_to_hf_cmd(
-    src: str = typer.Argument(..., help="Source HF checkpoint (any variant)."),
-    dst: Path = typer.Argument(..., help="Destination folder (published atomically)."),
-    plan: str = typer.Option(..., "--plan", help="Target per-layer expert formats: e.g. mxfp8, bf16, 0-39:nvfp4,40-47:mxfp8."),
-    scales: str = typer.Option("fresh", "--scales", help=SCALES_HELP + " 'keep' needs an NVFP4 source layer."),
-    dtype: Optional[DenseDtype] = DTYPE_OPT,
-    max_shard_size: Optional[str] = SHARD_OPT,
-    allow_nonfinite: bool = NONFINITE_OPT,
-    force: bool = FORCE_OPT,
-    quiet: bool = QUIET_OPT,
+    src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (any variant)."),
+    dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),
+    plan: str = typer.Option(..., "--plan", metavar="PLAN", help=PLAN_HELP),
+    scales: Scales = typer.Option(Scales.fresh, "--scales",
+                                  help="fresh: every scale from the weights; keep: layers SRC already stores in "
+                                       "their target format keep SRC's NVFP4 amax and the bytes of unchanged blocks "
+                                       "(refused when SRC stores no layer in its target format)."),
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
+    allow_nonfinite: bool = NONFINITE,
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    dry_run: bool = DRY_RUN,
+    as_json: bool = JSON,
+    force: bool = FORCE,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
@@ -197,11 +189,13 @@ def hf_to_hf_cmd(
 
     Example: inkling-ckpt convert hf-to-hf fixtures/tiny-mixed /tmp/tiny-mx --plan mxfp8
     """
+    setup(verbose)
     _one_process("hf-to-hf")
-    check_dst(dst, [src])
-    _steady_memory()
-    ckpt = HFCheckpoint.open(src)
-    result = requantize(ckpt, dst, PrecisionPlan.parse(plan, ckpt.cfg.num_hidden_layers), scales=_scales(scales),  # type: ignore[arg-type]
-                        max_shard_size=_size(max_shard_size), allow_nonfinite=allow_nonfinite, force=force,
-                        progress=not quiet, command="hf-to-hf", dtype=_dtype(dtype))
-    report(result, "conversion")
+    from .. import api
+
+    if not dry_run:
+        _steady_memory()
+    with hub(revision, token):
+        report(api.convert_hf_to_hf(src, dst, plan, scales=scales.value, max_shard_size=max_shard_size,
+                                    allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,
+                                    progress=not quiet, dtype=_dt(dtype)), as_json)

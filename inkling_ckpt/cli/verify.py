@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 
-from ..errors import ConfigError, PlanError
 from .app import app
+from .options import JSON, QUIET, REVISION, TOKEN, VERBOSE, ForwardDtype, emit, hub, setup
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
 # tensor comparison, and the tensor mode nothing of transformers); --help must not need them.
-SCHEMA = "inkling-ckpt/verify-report/v1"  # = verify.compare.SCHEMA
-_FORWARD_SCHEMA = "inkling-ckpt/verify-forward/v1"  # = verify.forward.SCHEMA
+SCHEMA = "inkling-ckpt/verify/1"  # = verify.compare.SCHEMA
+_FORWARD_SCHEMA = "inkling-ckpt/verify-forward/1"  # = verify.forward.SCHEMA
 
 _HELP = "\n\n".join([
     'Compare checkpoint B against the reference A, tensor by tensor, after decoding.',
@@ -45,85 +43,62 @@ _HELP = "\n\n".join([
 def verify_cmd(
     a: str = typer.Argument(..., metavar="CKPT_A", help="Reference checkpoint (e.g. the BF16 source)."),
     b: str = typer.Argument(..., metavar="CKPT_B", help="Checkpoint to measure against A."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable report on stdout."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write SQNR per layer by format to this PNG."),
-    min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", help="Fail (exit 1) if any tensor is below this SQNR (dB)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="FILE", help="Write SQNR per layer by format to this PNG."),
+    min_sqnr: Optional[float] = typer.Option(None, "--min-sqnr", metavar="DB",
+                                             help="Fail (exit 1) if any tensor is below this SQNR (dB)."),
     exact: bool = typer.Option(False, "--exact", help="Fail (exit 1) unless every tensor is bit-exact."),
-    top: int = typer.Option(15, "--top", help="Worst tensors to list in the table."),
+    top: int = typer.Option(15, "--top", metavar="N", help="Worst tensors to list in the table."),
     forward: bool = typer.Option(False, "--forward", help="Compare model outputs (needs the 'forward' extra)."),
-    tokens: Optional[Path] = typer.Option(None, "--tokens", help="--forward: token ids to run (JSON or text)."),
-    random: Optional[int] = typer.Option(None, "--random", help="--forward: N random tokens per sequence."),
-    batch: int = typer.Option(2, "--batch", help="--forward --random: sequences in the batch."),
-    seed: int = typer.Option(0, "--seed", help="--forward --random: seed of the token ids."),
-    device: str = typer.Option("cpu", "--device", help="--forward: cpu or cuda[:N]."),
-    dtype: str = typer.Option("auto", "--dtype", help="--forward: auto (A's config dtype), bfloat16 or float32."),
-    max_kl: Optional[float] = typer.Option(None, "--max-kl", help="--forward: fail (exit 1) if max KL(A||B) exceeds this."),
-    config: Optional[Path] = typer.Option(None, "--config", help="Model config.json (or a folder holding one) for a "
-                                          "torch_dist side not written by inkling-ckpt; default: the other side's."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    tokens: Optional[Path] = typer.Option(None, "--tokens", metavar="FILE",
+                                          help="--forward: token ids to run (JSON or text)."),
+    random: Optional[int] = typer.Option(None, "--random", metavar="N", help="--forward: N random tokens per sequence."),
+    batch: int = typer.Option(2, "--batch", metavar="N", help="--forward --random: sequences in the batch."),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="--forward --random: seed of the token ids."),
+    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="--forward: cpu or cuda[:N]."),
+    dtype: ForwardDtype = typer.Option(ForwardDtype.auto, "--dtype", help="--forward: auto is A's config dtype."),
+    max_kl: Optional[float] = typer.Option(None, "--max-kl", metavar="X",
+                                           help="--forward: fail (exit 1) if max KL(A||B) exceeds this."),
+    config: Optional[Path] = typer.Option(None, "--config", metavar="CONFIG",
+                                          help="Model config.json (or a folder holding one) for a torch_dist side not "
+                                               "written by inkling-ckpt; default: the other side's."),
+    revision: Optional[str] = REVISION,
+    token: Optional[str] = TOKEN,
+    as_json: bool = JSON,
+    quiet: bool = QUIET,
+    verbose: int = VERBOSE,
 ) -> None:
-    if min_sqnr is not None and not math.isfinite(min_sqnr):
-        raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
+    setup(verbose)
+    from .. import api
+    from ..errors import ConfigError
+
     if forward:
-        _forward(a, b, as_json=as_json, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
-                 dtype=dtype, max_kl=max_kl, quiet=quiet,
-                 tensor_only={"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
-                              "--config": config is not None})
+        tensor_only = {"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
+                       "--config": config is not None}
+        given = [k for k, v in tensor_only.items() if v]
+        if given:
+            raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
+        from ..verify.forward import render_forward_report
+
+        with hub(revision, token):
+            rep = api.verify_forward(a, b, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
+                                     dtype=dtype.value, max_kl=max_kl, progress=not quiet)
+        emit(rep, as_json, render_forward_report)
+        if not rep["thresholds"]["passed"]:
+            if as_json:
+                print(f"inkling-ckpt: verify --forward: max KL {rep['logits']['kl_max']:.6g} exceeds {max_kl}",
+                      file=sys.stderr)
+            raise typer.Exit(1)
         return
     forward_only = {"--tokens": tokens is not None, "--random": random is not None, "--max-kl": max_kl is not None}
     given = [k for k, v in forward_only.items() if v]
     if given:
         raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --forward")
-    from ..verify.compare import build_report, compare, plot_report, render_report
+    from ..verify.compare import render_report
 
-    rep = build_report(compare(a, b, progress=not quiet, config=config), min_sqnr=min_sqnr, exact=exact)
-    if plot is not None:
-        plot_report(rep, plot)
-    typer.echo(json.dumps(rep, indent=2) if as_json else render_report(rep, top=top))
+    with hub(revision, token):
+        rep = api.verify_tensors(a, b, min_sqnr=min_sqnr, exact=exact, config=config, plot=plot, progress=not quiet)
+    emit(rep, as_json, lambda r: render_report(r, top=top))
     if not rep["thresholds"]["passed"]:
         if as_json:
             print(f"inkling-ckpt: verify: {rep['thresholds']['failures']} tensors fail the threshold", file=sys.stderr)
         raise typer.Exit(1)
-
-
-def _forward(a: str, b: str, *, as_json: bool, tokens: Optional[Path], random: Optional[int], batch: int,
-             seed: int, device: str, dtype: str, max_kl: Optional[float], quiet: bool,
-             tensor_only: dict[str, bool]) -> None:
-    given = [k for k, v in tensor_only.items() if v]
-    if given:
-        raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
-    if tokens is not None and random is not None:
-        raise ConfigError("give --tokens FILE or --random N, not both")
-    from ..layouts.detect import HF, TORCH_DIST, detect_layout
-
-    for path in (a, b):
-        kind = detect_layout(path)
-        if kind != HF:
-            back = "convert megatron-to-hf" if kind == TORCH_DIST else "shard --merge"
-            raise ConfigError(f"{path}: a {kind} folder; --forward runs HF release checkpoints (compare it tensor by "
-                              f"tensor without --forward, or make an HF checkpoint of it with {back})")
-    from ..verify.forward import compare_forward, load_transformers, read_tokens, render_forward_report
-
-    load_transformers()  # the one-line missing-extra error before anything else
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()  # its load-time notices (e.g. kernel fallbacks) are not this report's
-    ids = None
-    if tokens is not None:
-        ids = read_tokens(tokens, vocab_size=_vocab_size(a))
-    elif random is None:
-        random = 128
-    rep = compare_forward(a, b, input_ids=ids, random=random, batch=batch, seed=seed, device=device, dtype=dtype,
-                          max_kl=max_kl, progress=not quiet, tokens_label=str(tokens) if tokens else None)
-    typer.echo(json.dumps(rep, indent=2) if as_json else render_forward_report(rep))
-    if not rep["thresholds"]["passed"]:
-        if as_json:
-            print(f"inkling-ckpt: verify --forward: max KL {rep['logits']['kl_max']:.6g} exceeds {max_kl}",
-                  file=sys.stderr)
-        raise typer.Exit(1)
-
-
-def _vocab_size(folder: str) -> int:
-    from ..verify.forward import _load_config, load_transformers
-
-    return int(_load_config(load_transformers(), folder).get_text_config().vocab_size)

@@ -183,7 +183,7 @@ def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT
     m, chunks, objects, _, sizes = _validated_plan(src, preset, dtype)
     owner = assign_units(sizes, World(0, ranks))
     return {
-        "source": str(getattr(src, "root", "source")), "source_plan": str(src.plan), "preset": m.preset.name,
+        "source": str(getattr(src, "root", "source")), "source_precision_plan": str(src.plan), "preset": m.preset.name,
         "tensors": len(m.keys()), "chunks": len(chunks), "extra_state_objects": len(objects),
         "bytes": sum(c.nbytes for c in chunks), "largest_chunk_bytes": max(c.nbytes for c in chunks),
         "vision_tensors_left_out": sum(1 for n in src.tensors if is_vision(n)),
@@ -323,7 +323,7 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
     skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
     return {
         "source": str(reader.folder), "preset": m.preset.name, "tensors_read": len(m.keys()),
-        "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "plan": str(plan),
+        "skipped_keys": len(skipped), "objects_ignored": len(reader.objects), "precision_plan": str(plan),
         "output_tensors": len(specs), "output_bytes": sum(s.nbytes for s in specs),
         "vision_tensors_from_reference": sum(1 for s in specs if is_vision(s.name)),
     }

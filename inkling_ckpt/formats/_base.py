@@ -119,8 +119,13 @@ def raise_nonfinite(x: torch.Tensor, name: str) -> None:
     flat = int(torch.argmax(bad.reshape(-1).to(torch.uint8)))
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape))
     value = float(x.reshape(-1)[flat])
-    raise NonFiniteError(
-        f"{name}: non-finite value {value} at index {index} ({count} non-finite of {x.numel()}); "
+    raise nonfinite_error(name, value, index, count, x.numel())
+
+
+def nonfinite_error(name: str, value: float, index: tuple[int, ...], count: int, numel: int) -> NonFiniteError:
+    """The error :func:`raise_nonfinite` raises, for callers that find the first bad element piecewise."""
+    return NonFiniteError(
+        f"{name}: non-finite value {value} at index {index} ({count} non-finite of {numel}); "
         f"pass allow_nonfinite to encode them as NaN blocks"
     )
 

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from ..errors import FormatError, NonFiniteError
-from ._base import block_amax_bits, check_out_dtype, row_chunks
-from .encodings import E4M3, decode_table
 from . import gpu as _gpu
+from ._base import (FLOAT_INPUTS, block_amax_bits, check_out_dtype, nonfinite_error, raise_nonfinite, require_parts,
+                    row_chunks)
+from .encodings import E4M3, decode_table
+from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 from .nvfp4 import (BLOCK as NVFP4_BLOCK, E2M1_MAX, E4M3_MAX, MIN_GLOBAL_AMAX, NVFP4Format, _block_amax_all,
                     _pair_table, nvfp4_global_scale)
 from .nvfp4 import _amax as _nvfp4_amax
-from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
 
 #: 6 × 448: the release's ``outer_scale_denominator`` (amax / 2688 = ModelOpt's weight_scale_2).
 NVFP4_DENOMINATOR = E2M1_MAX * E4M3_MAX
@@ -114,7 +115,8 @@ def deinterleave(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax: torch.Tensor | None = None,
-                   allow_nonfinite: bool = False) -> dict[str, torch.Tensor]:
+                   allow_nonfinite: bool = False, device: str | torch.device | None = None,
+                   budget_bytes: int | None = None) -> dict[str, torch.Tensor]:
     """Encode a stacked [E, R, C] expert weight (w13 already interleaved) into its release parts.
 
     ``fmt`` is a format name or a codec from :func:`~inkling_ckpt.formats.get_format` (MXFP8
@@ -122,6 +124,16 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
     per-expert global amax (kept from a reference so unchanged weights reproduce its bytes);
     by default each expert's own max |x|. The stored ``_amax`` is the amax actually used
     (an all-zero expert is encoded and stored with amax 1.0, so decoding stays consistent).
+
+    Where it runs: on ``w``'s device by default. A CUDA tensor goes through the batched Triton
+    kernels (all experts per launch, per-expert amax on the device, one host synchronization
+    per call for the non-finite checks); the CPU reference code is the specification, and
+    ``formats.gpu.kernels_disabled()`` runs it on CUDA tensors too. Same bytes either way.
+    ``device`` (e.g. ``"cuda"``) computes there instead, for a ``w`` held elsewhere (typically
+    a host slice read from disk): experts travel in slices of at most ``budget_bytes`` of device
+    memory for inputs plus outputs (default :data:`DEVICE_BUDGET_BYTES`; at least one expert
+    per slice), through page-locked buffers, and the parts come back on ``w``'s device.
+    ``budget_bytes`` alone slices on ``w``'s own device. Errors are the same in every mode.
     """
     fname = _fmt_name(fmt)
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
@@ -136,7 +148,85 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
         if not allow_nonfinite and w.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(w)):
             raise NonFiniteError(f"{fname}: {name}: NaN or Inf values; pass --allow-nonfinite to keep them")
         return {WEIGHT: w.detach().contiguous()}
+    if w.dtype not in FLOAT_INPUTS:
+        raise FormatError(f"{fname}: {name}: cannot quantize dtype {w.dtype}; expected one of "
+                          f"{', '.join(str(d) for d in FLOAT_INPUTS)}")
+    stacked_parts(fname, w.shape)  # positive shape, width a multiple of the block
     codec: Any = fmt if not isinstance(fmt, str) else (MXFP8Format() if fname == "mxfp8" else NVFP4Format())
+    if fname == "nvfp4" and amax is not None:
+        _check_amax_layout(amax, w.shape[0], name)
+    else:
+        amax = None  # MXFP8 has no global scale
+    dev = _compute_device(device, w, name)
+    if dev == w.device and budget_bytes is None:
+        return _encode_whole(codec, fname, w, amax, name, allow_nonfinite)
+    return _encode_sliced(codec, fname, w, amax, name, allow_nonfinite, dev, _budget(budget_bytes))
+
+
+def _encode_whole(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+                  allow_nonfinite: bool) -> dict[str, torch.Tensor]:
+    if not (_gpu.wants(w) and w.numel()):
+        return _encode_reference(codec, fname, w, amax, name, allow_nonfinite)
+    device_amax = amax is not None and amax.device == w.device
+    if amax is not None and not device_amax:
+        amax = _check_amax(amax, w.shape[0], name, allow_nonfinite=False).to(w.device, non_blocking=True)
+    parts, bad = _encode_kernels(codec, fname, w, amax)
+    # checks queued behind the kernels: the host waits once, for all of it
+    checks = [bad] if not allow_nonfinite else []
+    if device_amax and amax is not None:
+        checks.append(_bad_amax(amax).any())
+    if checks and bool(torch.stack(checks).any()):  # the one host synchronization of the call
+        _raise_encode_error(fname, w, amax, name)
+    return parts
+
+
+def _encode_kernels(codec: Any, fname: str, w: torch.Tensor,
+                    amax: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Parts of ``w`` (on a kernel device) through the batched kernels, one expert per group, and a
+    0-d bool device tensor: some element is NaN/Inf (encoded as NaN blocks). No host synchronization.
+    ``amax`` (on w's device) is used as given; a bad one yields garbage, which the caller refuses."""
+    ops = _gpu._load()
+    e, r, c = w.shape
+    spec = stacked_parts(fname, w.shape)
+    slices = _contiguous_slices(w)
+    flags: list[torch.Tensor] = []
+    got: list[dict[str, torch.Tensor]] = []
+    for e0, e1 in slices:
+        n = e1 - e0
+        x = w[e0:e1].contiguous().view(n, r * c)
+        if fname == "mxfp8":
+            q, sc, bad = ops.mxfp8_encode(x, codec.scale_mode, codec.element)
+            got.append({WEIGHT: q.view(n, r, c), SCALE: sc.view(n, r, c // MXFP8_BLOCK)})
+        else:
+            if amax is None:
+                a, bad_groups = ops.group_amax(x)
+                flags.append(bad_groups.amax() > 0)
+            else:
+                a = amax[e0:e1]
+            # the reference's zero-expert policy: an amax below 2^-126 is encoded (and stored) as 1.0
+            used = torch.where(a < MIN_GLOBAL_AMAX, 1.0, a)
+            # f32(amax) / 2688 as nvfp4_global_scale, a tensor divisor (IEEE division on CUDA too)
+            q, sc, bad = ops.nvfp4_encode(x, used / _denominator(w.device))
+            got.append({WEIGHT: q.view(n, r, c // 2), SCALE: sc.view(n, r, c // NVFP4_BLOCK), AMAX: used})
+        flags.append(bad[0] > 0)
+    if len(got) == 1:
+        parts = got[0]
+    else:  # a non-contiguous input, encoded in slices: gather them (outputs only, a fraction of the input)
+        parts = {k: torch.empty((e, *t.shape[1:]), dtype=t.dtype, device=w.device) for k, t in got[0].items()}
+        for (e0, e1), g in zip(slices, got, strict=True):
+            for k, t in g.items():
+                parts[k][e0:e1] = t
+    if fname == "nvfp4":
+        parts[AMAX] = parts[AMAX].contiguous()
+        # a fill, not a copy from the host: a host-to-device copy would wait for the kernels above
+        parts[DENOM] = torch.full((), NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
+    parts = {k: parts[k] for k in spec}  # on-disk order
+    return parts, torch.stack(flags).any()
+
+
+def _encode_reference(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+                      allow_nonfinite: bool) -> dict[str, torch.Tensor]:
+    """The reference codec's torch code, expert by expert (any device)."""
     if fname == "mxfp8":
         p = codec.encode(w, name=name, allow_nonfinite=allow_nonfinite)
         return {WEIGHT: p["weight"], SCALE: p["weight_scale"]}
@@ -174,28 +264,112 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
             DENOM: torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)}
 
 
-def _check_amax(amax: torch.Tensor, experts: int, name: str, *, allow_nonfinite: bool) -> torch.Tensor:
+def _encode_sliced(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
+                   allow_nonfinite: bool, dev: torch.device, budget: int) -> dict[str, torch.Tensor]:
+    """Experts in slices computed on ``dev``, parts gathered on ``w``'s device (see encode_stacked)."""
+    e, r, c = w.shape
+    if amax is not None:  # checked and moved once (a blocking copy inside the loop would stall the overlap)
+        amax = _check_amax(amax, e, name, allow_nonfinite=False).to(dev)
+    spec = stacked_parts(fname, w.shape)
+    if fname == "mxfp8":
+        spec[WEIGHT] = (spec[WEIGHT][0], codec.elem_dtype)
+    out = {k: torch.empty(shape, dtype=dt, device=w.device) for k, (shape, dt) in spec.items() if k != DENOM}
+    per_expert = r * c * w.element_size() + sum(_nbytes(shape[1:], dt) for k, (shape, dt) in spec.items() if k != DENOM)
+    flags: list[torch.Tensor] = []
+    relay = _Relay(w.device, dev)
+    for e0, e1 in _expert_slices(e, per_expert, budget):
+        x = relay.up(w[e0:e1])
+        a = None if amax is None else amax[e0:e1]
+        if _gpu.wants(x):
+            parts, bad = _encode_kernels(codec, fname, x, a)
+        else:  # the reference code; non-finite input is refused below, for the whole tensor
+            bad = ~torch.isfinite(block_amax_bits(x.reshape(1, -1))[0])
+            parts = _encode_reference(codec, fname, x, a, name, True)
+        flags.append(bad)
+        relay.down([(parts[k], out[k][e0:e1]) for k in out])
+    relay.finish()
+    if not allow_nonfinite and bool(torch.stack(flags).any()):  # one synchronization, after the last slice
+        _raise_first_nonfinite(fname, w, name)
+    if fname == "nvfp4":
+        out[DENOM] = torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
+    return {k: out[k] for k in spec}
+
+
+_DENOMINATORS: dict[torch.device, torch.Tensor] = {}
+
+
+def _denominator(device: torch.device) -> torch.Tensor:
+    """NVFP4_DENOMINATOR as a one-element float32 tensor on ``device`` (cached: no copy per call)."""
+    t = _DENOMINATORS.get(device)
+    if t is None:
+        t = _DENOMINATORS[device] = torch.full((1,), NVFP4_DENOMINATOR, dtype=torch.float32, device=device)
+    return t
+
+
+def _check_amax_layout(amax: object, experts: int, name: str) -> None:
     if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or tuple(amax.shape) != (experts,):
         raise FormatError(f"nvfp4: {name}: amax must be float32 [{experts}], got "
                           f"{getattr(amax, 'dtype', type(amax).__name__)} {list(getattr(amax, 'shape', []))}")
+
+
+def _bad_amax(amax: torch.Tensor) -> torch.Tensor:
+    return ~(torch.isfinite(amax) & (amax > 0))
+
+
+def _check_amax(amax: torch.Tensor, experts: int, name: str, *, allow_nonfinite: bool) -> torch.Tensor:
+    _check_amax_layout(amax, experts, name)
     if not allow_nonfinite:
-        bad = ~(torch.isfinite(amax) & (amax > 0))
+        bad = _bad_amax(amax)
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
             raise NonFiniteError(f"{name}_amax: expert {i} has global amax {float(amax[i])} (must be finite and > 0)")
     return amax
 
 
+def _raise_encode_error(fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str) -> None:
+    """The reference's error for input the kernels flagged: a bad kept amax first, then non-finite input."""
+    if amax is not None:
+        _check_amax(amax, w.shape[0], name, allow_nonfinite=False)
+    _raise_first_nonfinite(fname, w, name)
+
+
+def _raise_first_nonfinite(fname: str, w: torch.Tensor, name: str) -> None:
+    """NonFiniteError as the reference raises it: NVFP4 for the first expert holding NaN/Inf (its
+    amax pass), MXFP8 for the whole stack seen as [E*R, C] rows. Expert by expert (bounded memory)."""
+    e, r, c = w.shape
+    count, first = 0, None
+    for i in range(e):
+        bad = ~torch.isfinite(w[i])
+        n = int(bad.sum())
+        if n and fname == "nvfp4":
+            raise_nonfinite(w[i].reshape(r, c), f"{name}[expert {i}]")
+        if n and first is None:
+            first = (i, int(torch.argmax(bad.reshape(-1).to(torch.uint8))))
+        count += n
+    if first is None:
+        raise FormatError(f"{fname}: {name}: the kernels flagged non-finite input that is not there")
+    i, flat = first
+    row, col = divmod(flat, c)
+    raise nonfinite_error(name, float(w[i].reshape(-1)[flat]), (i * r + row, col), count, w.numel())
+
+
 # -- decode ---------------------------------------------------------------------------------------
 
 
 def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
-                   name: str = "experts", allow_nonfinite: bool = False) -> torch.Tensor:
+                   name: str = "experts", allow_nonfinite: bool = False, device: str | torch.device | None = None,
+                   budget_bytes: int | None = None) -> torch.Tensor:
     """Decode a stacked expert weight's parts (any leading slice of experts) to ``dtype`` [E, R, C].
 
     Scales that cannot come from a quantizer (NVFP4 amax / denominator ≤ 0 or non-finite,
     negative or NaN block scales, MXFP8 NaN scale bytes) raise NonFiniteError naming the tensor
     and block unless ``allow_nonfinite``: they would decode to garbage.
+
+    Where it runs: as :func:`encode_stacked`. CUDA parts (float32/bfloat16/float16 out) go
+    through the Triton kernels (NVFP4 in the release order ``(e2m1 * scale) * (amax / denom)``,
+    bit-identical to the CPU reference and to transformers); the scale checks cost one host
+    synchronization per call. ``device`` / ``budget_bytes``: computed there in expert slices
+    of bounded device memory, the result returned on the weight's device.
     """
     fname = _fmt_name(fmt)
     check_out_dtype(dtype)
@@ -209,18 +383,37 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
     sc = parts.get(SCALE)
     if not isinstance(sc, torch.Tensor):
         raise FormatError(f"{fname}: {name}: missing block scales ({name}{SCALE})")
+    e, r, cw = w.shape
+    factor = None
     if fname == "mxfp8":
         if sc.dtype != torch.uint8 and sc.dtype == getattr(torch, "float8_e8m0fnu", None):
             sc = sc.view(torch.uint8)
-        if not allow_nonfinite and sc.numel() and bool((sc == 0xFF).any()):
-            idx = tuple(int(i) for i in torch.nonzero(sc == 0xFF)[0])
-            raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}; pass --allow-nonfinite to decode it as NaN")
-        return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype)
-    return _decode_nvfp4(parts, w, sc, dtype, name, allow_nonfinite)
+        require_parts("mxfp8", {"weight": w, "weight_scale": sc},
+                      {"weight": torch.float8_e4m3fn, "weight_scale": torch.uint8})
+        if tuple(sc.shape) != (e, r, cw // MXFP8_BLOCK) or cw % MXFP8_BLOCK:
+            raise FormatError(f"mxfp8: {name}: weight {list(w.shape)} and scale {list(sc.shape)} do not match "
+                              f"(expected scale [E, R, C/32])")
+    else:
+        factor = _nvfp4_factor(parts, w, sc, name)
+    dev = _compute_device(device, w, name)
+    if dev != w.device or budget_bytes is not None:
+        if factor is not None and not allow_nonfinite:
+            _check_factor(factor, name)  # [E] only, before any slice
+        return _decode_sliced(fname, w, sc, factor, dtype, name, allow_nonfinite, dev, _budget(budget_bytes))
+    # Decoded first, checked after: on a device the kernels flag bad scale bytes as they read them and
+    # the factor check queues behind them, so the one host synchronization waits for the decode alone.
+    out, bad_scales = _decode_values(w, sc, factor, dtype, check=not allow_nonfinite)
+    if not allow_nonfinite:
+        flags = [bad_scales] if factor is None else [bad_scales, _bad_factor(factor).any()]
+        if bool(torch.stack(flags).any()):  # the one host synchronization of the call
+            if factor is not None:
+                _check_factor(factor, name)
+            _check_scales(fname, sc, name)
+    return out
 
 
-def _decode_nvfp4(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor, dtype: torch.dtype,
-                  name: str, allow_nonfinite: bool) -> torch.Tensor:
+def _nvfp4_factor(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor, name: str) -> torch.Tensor:
+    """Per-expert global factor amax / denominator (float32 [E], on w's device), parts checked for layout."""
     amax, denom = parts.get(AMAX), parts.get(DENOM)
     if not isinstance(amax, torch.Tensor) or not isinstance(denom, torch.Tensor):
         raise FormatError(f"nvfp4: {name}: missing {name}{AMAX} or {name}{DENOM}")
@@ -233,18 +426,75 @@ def _decode_nvfp4(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.
     if denom.dtype != torch.float32 or denom.numel() not in (1, e):
         raise FormatError(f"nvfp4: {name}{DENOM} must be a float32 scalar or [E], got {list(denom.shape)}")
     factor = amax.float() / denom.float().reshape(-1).expand(e)  # one float32 division per expert
-    if not allow_nonfinite:
-        bad = ~(torch.isfinite(factor) & (factor > 0))
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise NonFiniteError(f"{name}: expert {i} has global factor amax/denominator = {float(factor[i])} "
-                                 "(must be finite and > 0); pass --allow-nonfinite to decode it anyway")
-        sbits = sc.view(torch.uint8)
-        badb = (sbits & 0x80).bool() | ((sbits & 0x7F) == 0x7F)
-        if bool(badb.any()):
-            idx = tuple(int(i) for i in torch.nonzero(badb)[0])
-            raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}; "
-                                 "pass --allow-nonfinite to decode it anyway")
+    return factor.to(w.device)
+
+
+def _bad_factor(factor: torch.Tensor) -> torch.Tensor:
+    return ~(torch.isfinite(factor) & (factor > 0))
+
+
+def _check_factor(factor: torch.Tensor, name: str) -> None:
+    bad = _bad_factor(factor)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise NonFiniteError(f"{name}: expert {i} has global factor amax/denominator = {float(factor[i])} "
+                             "(must be finite and > 0); pass --allow-nonfinite to decode it anyway")
+
+
+#: Smallest scale byte that no quantizer writes: MXFP8 0xFF (E8M0 NaN); NVFP4 0x7F (E4M3 NaN) and
+#: every byte above (sign bit set: negative or NaN). One integer max finds either.
+_BAD_SCALE_FROM = {"mxfp8": 0xFF, "nvfp4": 0x7F}
+
+
+def _bad_scales_flag(fname: str, sc: torch.Tensor) -> torch.Tensor:
+    """0-d bool tensor on sc's device: some block scale is one no quantizer writes (no synchronization)."""
+    if not sc.numel():
+        return torch.zeros((), dtype=torch.bool, device=sc.device)
+    return sc.view(torch.uint8).amax() >= _BAD_SCALE_FROM[fname]
+
+
+def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
+    """NonFiniteError naming the first bad block scale, if any."""
+    bad = sc.view(torch.uint8) >= _BAD_SCALE_FROM[fname]
+    if not bool(bad.any()):
+        return
+    idx = tuple(int(i) for i in torch.nonzero(bad)[0])
+    if fname == "mxfp8":
+        raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}; pass --allow-nonfinite to decode it as NaN")
+    raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}; "
+                         "pass --allow-nonfinite to decode it anyway")
+
+
+def _decode_values(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype, *,
+                   check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decoded [E, R, C] on w's device, 0-d bool: some scale byte is one no quantizer writes, when
+    ``check``) for NVFP4 with its per-expert ``factor`` (amax / denominator), or MXFP8 where
+    ``factor`` is None. The kernels where they apply (no host synchronization), else the reference."""
+    e, r, cw = w.shape
+    cols = cw if factor is None else cw * 2
+    fname = "mxfp8" if factor is None else "nvfp4"
+    no = torch.zeros((), dtype=torch.bool, device=w.device)
+    if not (_gpu.wants_decode(w, dtype) and w.numel()):
+        bad = _bad_scales_flag(fname, sc) if check else no
+        if factor is None:
+            return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype), bad
+        return _decode_nvfp4_reference(w, sc, factor, dtype), bad
+    ops = _gpu._load()
+    out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    flag = torch.zeros(1, dtype=torch.int32, device=w.device) if check else None
+    for e0, e1 in _contiguous_slices(w, sc):
+        n = e1 - e0
+        wq, s = w[e0:e1].contiguous().view(n, -1), sc[e0:e1].contiguous().view(n, -1)
+        o = out[e0:e1].view(n, r * cols)
+        if factor is None:
+            ops.mxfp8_decode(wq, s, "e4m3", dtype, out=o, bad=flag)
+        else:
+            ops.nvfp4_decode(wq, s, factor[e0:e1], dtype, factor_last=True, out=o, bad=flag)
+    return out, (no if flag is None else flag[0] > 0)
+
+
+def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    e, r, half = w.shape
     cols = half * 2
     nb = cols // NVFP4_BLOCK
     out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
@@ -265,7 +515,142 @@ def _decode_nvfp4(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.
     return out
 
 
+def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype,
+                   name: str, allow_nonfinite: bool, dev: torch.device, budget: int) -> torch.Tensor:
+    e, r, cw = w.shape
+    cols = cw * 2 if fname == "nvfp4" else cw
+    out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    per_expert = _nbytes(w.shape[1:], w.dtype) + _nbytes(sc.shape[1:], sc.dtype) + _nbytes((r, cols), dtype)
+    flags: list[torch.Tensor] = []
+    relay = _Relay(w.device, dev)
+    factor = None if factor is None else factor.to(dev)
+    for e0, e1 in _expert_slices(e, per_expert, budget):
+        wd, sd = relay.up(w[e0:e1]), relay.up(sc[e0:e1])
+        values, bad = _decode_values(wd, sd, None if factor is None else factor[e0:e1], dtype, check=not allow_nonfinite)
+        flags.append(bad)
+        relay.down([(values, out[e0:e1])])
+    relay.finish()
+    if flags and bool(torch.stack(flags).any()):  # one synchronization, after the last slice
+        _check_scales(fname, sc, name)
+    return out
+
+
+# -- where the work runs ----------------------------------------------------------------------------
+
+#: Default device memory for inputs plus outputs of the slices of :func:`encode_stacked` /
+#: :func:`decode_stacked` with ``device=`` (two slices in flight, each half of it).
+DEVICE_BUDGET_BYTES = 1 << 30
+#: A non-contiguous input on a kernel device is made contiguous in expert slices of about this size.
+_CONTIGUOUS_SLICE_BYTES = 1 << 28
+
+
+def _compute_device(device: str | torch.device | None, w: torch.Tensor, name: str) -> torch.device:
+    if device is None:
+        return w.device
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise FormatError(f"{name}: unknown device {device!r}") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise FormatError(f"{name}: device {device!r} asked for, but CUDA is not available")
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def _budget(budget_bytes: int | None) -> int:
+    b = DEVICE_BUDGET_BYTES if budget_bytes is None else int(budget_bytes)
+    if b <= 0:
+        raise FormatError(f"budget_bytes must be positive, got {budget_bytes}")
+    return b
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _expert_slices(experts: int, per_expert: int, budget: int) -> list[tuple[int, int]]:
+    """Expert ranges of at most budget / 2 bytes each (two in flight), at least one expert each."""
+    k = max(1, budget // 2 // max(1, per_expert))
+    return [(e0, min(experts, e0 + k)) for e0 in range(0, experts, k)]
+
+
+def _contiguous_slices(*ts: torch.Tensor) -> list[tuple[int, int]]:
+    """One range over all experts when every tensor is contiguous, else slices to copy contiguous."""
+    e = ts[0].shape[0]
+    if all(t.is_contiguous() for t in ts):
+        return [(0, e)]
+    per_expert = sum(_nbytes(t.shape[1:], t.dtype) for t in ts)
+    return _expert_slices(e, per_expert, 2 * _CONTIGUOUS_SLICE_BYTES)
+
+
+class _Relay:
+    """Expert slices to the compute device and results back into the caller's tensors.
+
+    From the host to a CUDA device, each slice goes through a page-locked buffer and a
+    non-blocking copy, and results come back through page-locked buffers; a slice's results are
+    copied out one slice later, so the host copies overlap the device's work on the next slice.
+    torch's page-locked allocator keeps a buffer until the copies using it have completed, and
+    the device's caching allocator reuses a slice's memory in stream order: about two slices are
+    held at a time. Anywhere else (same device, device to host): plain copies.
+    """
+
+    def __init__(self, home: torch.device, dev: torch.device) -> None:
+        self.dev = dev
+        self.staged = home.type == "cpu" and dev.type == "cuda"
+        self.pending: tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+
+    def up(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.dev:
+            return t
+        if not self.staged:
+            return t.to(self.dev)
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t)
+        return buf.to(self.dev, non_blocking=True)
+
+    def down(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (result on the device, destination) pair, now or after the next slice."""
+        if not self.staged:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return
+        bufs = []
+        for src, dst in pairs:
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            buf.copy_(src, non_blocking=True)
+            bufs.append((buf, dst))
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.dev))
+        self.finish()
+        self.pending = (done, bufs)
+
+    def finish(self) -> None:
+        """Wait for the slice in flight and copy its results out."""
+        if self.pending is not None:
+            done, bufs = self.pending
+            self.pending = None
+            done.synchronize()
+            for buf, dst in bufs:
+                dst.copy_(buf)
+
+
 __all__ = [
-    "NVFP4_DENOMINATOR", "STACKED_FORMATS", "WEIGHT", "SCALE", "AMAX", "DENOM", "stacked_parts", "format_of_parts",
-    "interleave", "deinterleave", "encode_stacked", "decode_stacked",
+    "AMAX",
+    "DENOM",
+    "DEVICE_BUDGET_BYTES",
+    "NVFP4_DENOMINATOR",
+    "SCALE",
+    "STACKED_FORMATS",
+    "WEIGHT",
+    "decode_stacked",
+    "deinterleave",
+    "encode_stacked",
+    "format_of_parts",
+    "interleave",
+    "stacked_parts",
 ]

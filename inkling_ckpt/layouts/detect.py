@@ -32,7 +32,7 @@ from ..errors import CheckpointError, ConfigError
 from ..model.config import InklingConfig
 from ..model.inventory import TensorSpec
 from ..model.precision import PrecisionPlan
-from .hf import INDEX, SINGLE, HFCheckpoint
+from .hf import INDEX, SINGLE, HFCheckpoint, split_repo_id
 from .megatron import DCP_METADATA, METADATA_JSON, RELEASE, TRACKER
 
 HF, TORCH_DIST, SHARDED = "hf", "torch_dist", "sharded"
@@ -73,9 +73,8 @@ def detect_layout(path: str | Path) -> str:
     """``hf``, ``torch_dist`` or ``sharded``, from the folder's marker files; CheckpointError for anything else."""
     p = Path(path)
     if not p.exists():
-        text = str(path)
-        if text.count("/") == 1 and not text.startswith((".", "/")):
-            return HF  # a hub repo id: HFCheckpoint fetches it
+        if split_repo_id(str(path)) is not None:
+            return HF  # a hub repo id (org/name or org/name@REV): HFCheckpoint fetches it
         raise CheckpointError(f"{p}: no such checkpoint folder")
     if not p.is_dir():
         raise CheckpointError(f"{p}: a file, not a checkpoint folder (give the folder that holds it)")

@@ -30,6 +30,7 @@ from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_file_inside, check_name, inside
+from .hub import hub_access, resolve_source, split_repo_id
 from .staging import DONE_FILE, JOB_FILE
 
 INDEX = "model.safetensors.index.json"
@@ -61,30 +62,6 @@ class StoredTensor:
     @property
     def nbytes(self) -> int:
         return nbytes(self.shape, self.dtype)
-
-
-def resolve_source(source: str | Path) -> Path:
-    """A local folder, or a hub repo id fetched with only the files a checkpoint needs."""
-    p = Path(source)
-    if p.exists():
-        if not p.is_dir():
-            raise CheckpointError(f"{p}: not a checkpoint folder")
-        from .detect import HF, detect_layout, not_hf_hint  # detect imports this module
-
-        kind = detect_layout(p)
-        if kind != HF:
-            raise CheckpointError(f"{p}: {not_hf_hint(kind)}")
-        return p
-    text = str(source)
-    if looks_like_repo_id(text):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]))
-        except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
-            raise CheckpointError(f"{text}: not a local folder and not fetchable from the hub ({type(e).__name__})") from None
-    raise CheckpointError(f"{p}: no such checkpoint folder")
 
 
 def looks_like_repo_id(text: str) -> bool:
@@ -122,6 +99,11 @@ class HFCheckpoint:
     def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
         """Read the config and every shard header; each layer's expert format comes from the tensors present."""
         root = resolve_source(source)
+        from .detect import HF, detect_layout, not_hf_hint  # detect imports this module
+
+        kind = detect_layout(root)
+        if kind != HF:
+            raise CheckpointError(f"{root}: {not_hf_hint(kind)}")
         config = read_json(inside(root, "config.json", str(root)))
         files = _weight_map(root)
         check_config_bounds(config, root / "config.json", tensors=len(files))
@@ -573,6 +555,6 @@ def parse_size(size: str | int) -> int:
 
 
 __all__ = [
-    "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "check_against_inventory",
+    "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "hub_access", "split_repo_id", "check_against_inventory",
     "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX", "reference_sharding",
 ]

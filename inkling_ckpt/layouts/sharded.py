@@ -789,7 +789,7 @@ def describe_plan(plan: ShardPlan) -> dict[str, Any]:
         if key not in rules:
             rules[key] = {**p.rule.to_json(), "describe": p.rule.describe(), "tensors": 0}
         rules[key]["tensors"] += 1
-    return {"plan": {"tp": plan.tp, "ep": plan.parallel.ep, "moe_tp": plan.parallel.moe_tp},
+    return {"parallel_plan": {"tp": plan.tp, "ep": plan.parallel.ep, "moe_tp": plan.parallel.moe_tp},
             "experts": plan.expert_ownership(), "rules": rules}
 
 

@@ -9,6 +9,7 @@ from typing import Any
 from ..layouts.hf import DTYPE_TO_ST
 from .io import Adapter, _nbytes
 from .manifest import MANIFEST_FILE, read_manifest, verify_manifest
+from ..units import fmt_bytes
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp
 
 
@@ -45,7 +46,7 @@ def inspect_adapter(path: str | Path, *, verify: bool = False) -> dict[str, Any]
             one = t.shape[0] == 1
             shared_outer = one if shared_outer is None else (shared_outer and one)
     info: dict[str, Any] = {
-        "path": str(ad.root),
+        "source": str(ad.root),
         "peft_type": ad.config.get("peft_type"),
         "r": ad.rank,
         "lora_alpha": ad.config["lora_alpha"],
@@ -73,18 +74,17 @@ def inspect_adapter(path: str | Path, *, verify: bool = False) -> dict[str, Any]
 
 def render_adapter(info: dict[str, Any]) -> str:
     """The summary for people."""
-    mib = info["bytes"] / 2**20
     lines = [
-        info["path"],
+        info["source"],
         f"  LoRA r={info['r']} alpha={info['lora_alpha']} (scaling {info['scaling']:g}), target_modules {info['target_modules']}",
-        f"  {info['tensors']} tensors, {mib:.2f} MiB ({', '.join(f'{k} {v / 2**20:.2f} MiB' for k, v in info['bytes_by_dtype'].items())})",
+        f"  {info['tensors']} tensors, {fmt_bytes(info['bytes'])} ({', '.join(f'{k} {fmt_bytes(v)}' for k, v in info['bytes_by_dtype'].items())})",
         f"  layers {_ranges(info['layers']) or '-'}; routed experts shared-outer: "
         f"{ {True: 'yes', False: 'no (per expert)', None: 'n/a'}[info['shared_outer_experts']] }",
         "",
         "  module      tensors        bytes  layers",
     ]
     for k, v in info["modules"].items():
-        lines.append(f"  {k:<10} {v['tensors']:>8} {v['bytes']:>12}  {_ranges(v['layers']) or 'model'}")
+        lines.append(f"  {k:<10} {v['tensors']:>8} {fmt_bytes(v['bytes']):>12}  {_ranges(v['layers']) or 'model'}")
     if info["unknown_tensors"]:
         lines.append(f"  not in the schema or excluded by it: {len(info['unknown_tensors'])} "
                      f"(first: {info['unknown_tensors'][0]})")

@@ -34,6 +34,7 @@ from ..errors import PlanError
 from ..model.config import InklingConfig
 from ..model.inventory import Category, TensorSpec
 from ..model.precision import PrecisionPlan
+from ..units import GB, KB, MB, fmt_bytes
 from .parallel import ShardPlan
 
 #: GPU memory as sold, in GB (10^9 bytes). What the driver reports usable is a little different
@@ -41,7 +42,6 @@ from .parallel import ShardPlan
 GPU_PRESETS: dict[str, int] = {
     "H200": 141, "B200": 192, "GB200": 192, "B300": 288, "GB300": 288, "MI355X": 288, "VR200": 288,
 }
-GB = 10**9
 
 #: KV-cache element formats: (bytes per element, elements per scale byte or None).
 KV_DTYPES: dict[str, tuple[int, int | None]] = {"bf16": (2, None), "mxfp8": (1, 32)}
@@ -173,7 +173,7 @@ def memory_report(cfg: InklingConfig, precision: PrecisionPlan, specs: Sequence[
         "variant": precision.variant,
         "precision_plan": str(precision),
         "dtypes": dtypes_note,
-        "plan": {"tp": tp, "ep": ep, "moe_tp": plan.parallel.moe_tp},
+        "parallel_plan": {"tp": tp, "ep": ep, "moe_tp": plan.parallel.moe_tp},
         "tensors": len(specs),
         "checkpoint_bytes": sum(by_cat.values()),
         "checkpoint_bytes_by_category": by_cat,
@@ -251,7 +251,7 @@ def _tokens(n: int) -> str:
 
 
 def _unit(largest: int) -> tuple[str, int]:
-    for name, div in (("GB", GB), ("MB", 10**6), ("kB", 10**3)):
+    for name, div in (("GB", GB), ("MB", MB), ("kB", KB)):
         if largest >= div:
             return name, div
     return "B", 1
@@ -279,7 +279,7 @@ def render_ranks(ranks: Sequence[dict[str, Any]], ckpt_bytes: int, ckpt_by_cat: 
 
 def render_memory(rep: dict[str, Any]) -> str:
     """The report as tables for people (GB = 10^9 bytes)."""
-    p = rep["plan"]
+    p = rep["parallel_plan"]
     lines = [
         f"{rep['source']}: {rep['variant']} ({rep['precision_plan']}), {rep['tensors']} tensors, "
         f"{_gb(rep['checkpoint_bytes'])} GB",
@@ -294,7 +294,7 @@ def render_memory(rep: dict[str, Any]) -> str:
         f"KV cache ({kv['dtype']}): {kv['full_attention_layers']} full-attention layers x "
         f"{kv['full_kv_heads_per_rank']} KV heads/rank = {kv['bytes_per_token']} B per token of context; "
         f"{kv['sliding_layers']} sliding layers x {kv['sliding_kv_heads_per_rank']} KV heads/rank hold "
-        f"{kv['sliding_window']} tokens/sequence = {kv['sliding_bytes_per_sequence'] / 2**20:.1f} MiB",
+        f"{kv['sliding_window']} tokens/sequence = {fmt_bytes(kv['sliding_bytes_per_sequence'], 'MB', digits=1)}",
         f"budget = {rep['mem_fraction']:g} x GPU memory; pool = budget - largest rank ({_gb(rep['max_rank_bytes'])} GB)",
         "",
         f"{'gpu':<8} {'memory':>8} {'budget':>8} {'fits':>5} {'KV pool':>9} {'KV tokens':>10} "

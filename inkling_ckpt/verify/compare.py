@@ -26,10 +26,10 @@ amax/2688 is computed in float32 and rounded to BF16's 8 significant bits; MXFP8
 BF16 and never round), or a tensor stored narrower on one side (F32 → BF16/F16, the value
 rounded to nearest: ``--dtype bf16`` conversions of a float32 checkpoint). The check is bit for bit: B must equal A narrowed, element for element.
 
-Report (``--json``), schema ``inkling-ckpt/verify-report/v1``::
+Report (``--json``), schema ``inkling-ckpt/verify/1``::
 
-    {"schema": "inkling-ckpt/verify-report/v1",
-     "a": {"path", "variant", "plan"}, "b": {...},
+    {"schema": "inkling-ckpt/verify/1",
+     "a": {"source", "layout", "variant", "precision_plan"}, "b": {...},
      "summary": {"tensors", "bit_exact_tensors", "rounding_tensors", "mismatch_tensors", "elements",
                  "exact_elements", "exact_fraction", "min_sqnr_db", "max_abs"},
      "formats": {FORMAT: STATS},            # FORMAT: "nvfp4", "mxfp8", "bf16", "dense", or "x->y"
@@ -66,7 +66,7 @@ from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
 from ..progress import ByteProgress
 
-SCHEMA = "inkling-ckpt/verify-report/v1"
+SCHEMA = "inkling-ckpt/verify/1"
 DENSE = "dense"
 EXACT, ROUNDING, MISMATCH = "exact", "rounding", "mismatch"
 
@@ -209,7 +209,7 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _describe(src: Any, path: str | Path) -> dict[str, Any]:
-    return {"path": str(path), "layout": src.layout, "variant": src.plan.variant, "plan": str(src.plan)}
+    return {"source": str(path), "layout": src.layout, "variant": src.plan.variant, "precision_plan": str(src.plan)}
 
 
 #: A pair's loader yields (A, B, rounding) chunks as float32; B is None where the stored bytes are
@@ -422,7 +422,7 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
     s = rep["summary"]
     def side(d: dict[str, Any]) -> str:
         layout = d.get("layout", HF)
-        return f"{d['path']} ({d['variant']}{'' if layout == HF else ', ' + layout})"
+        return f"{d['source']} ({d['variant']}{'' if layout == HF else ', ' + layout})"
 
     lines = [
         f"A {side(rep['a'])}  vs  B {side(rep['b'])}",
@@ -492,7 +492,7 @@ def plot_report(rep: dict[str, Any], path: str | Path) -> int:
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("SQNR (dB)")
-    ax.set_title(f"routed experts: {Path(rep['b']['path']).name} vs {Path(rep['a']['path']).name}")
+    ax.set_title(f"routed experts: {Path(rep['b']['source']).name} vs {Path(rep['a']['source']).name}")
     ax.grid(True, alpha=0.3)
     if series:
         ax.legend(title="format")

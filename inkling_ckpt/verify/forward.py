@@ -15,10 +15,10 @@ are decoded to the run dtype on the run device by ``formats.stacked.decode_stack
 of transformers' own dequantizer) before the layer is loaded; BF16 experts load as stored. The
 layer's expert format is read from the tensors present, as transformers does.
 
-Report (``--json``), schema ``inkling-ckpt/verify-forward/v1``::
+Report (``--json``), schema ``inkling-ckpt/verify-forward/1``::
 
-    {"schema": "inkling-ckpt/verify-forward/v1",
-     "a": {"path", "expert_formats": {FORMAT: n_layers}}, "b": {...},
+    {"schema": "inkling-ckpt/verify-forward/1",
+     "a": {"source", "expert_formats": {FORMAT: n_layers}}, "b": {...},
      "run": {"device", "dtype", "batch", "seq_len", "tokens": "random"|FILE, "seed", "seconds"},
      "config_differences": [KEY, ...],      # text_config fields that differ between A and B
      "logits": {"kl_mean", "kl_max", "top1_agreement", "max_abs_diff", "positions",
@@ -51,7 +51,7 @@ import torch
 from ..errors import CheckpointError, ConfigError, FormatError, InklingError
 from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
 
-SCHEMA = "inkling-ckpt/verify-forward/v1"
+SCHEMA = "inkling-ckpt/verify-forward/1"
 INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
 TRANSFORMERS_VERSION = "5.24.0"
 
@@ -717,8 +717,8 @@ def compare_forward(
     passed = max_kl is None or (stats["kl_max"] is not None and stats["kl_max"] <= max_kl)
     return {
         "schema": SCHEMA,
-        "a": {"path": str(a), "expert_formats": _format_counts(sa)},
-        "b": {"path": str(b), "expert_formats": _format_counts(sb)},
+        "a": {"source": str(a), "expert_formats": _format_counts(sa)},
+        "b": {"source": str(b), "expert_formats": _format_counts(sb)},
         "run": {"device": str(dev), "dtype": str(run_dtype).removeprefix("torch."), "batch": int(input_ids.shape[0]),
                 "seq_len": int(input_ids.shape[1]), "tokens": label, "seed": seed if label == "random" else None,
                 "seconds": round(time.perf_counter() - t0, 3)},
@@ -753,8 +753,8 @@ def render_forward_report(rep: Mapping[str, Any]) -> str:
     """The report as a human-readable table."""
     lg, run = rep["logits"], rep["run"]
     lines = [
-        f"A: {rep['a']['path']}  experts {_fmt_counts(rep['a']['expert_formats'])}",
-        f"B: {rep['b']['path']}  experts {_fmt_counts(rep['b']['expert_formats'])}",
+        f"A: {rep['a']['source']}  experts {_fmt_counts(rep['a']['expert_formats'])}",
+        f"B: {rep['b']['source']}  experts {_fmt_counts(rep['b']['expert_formats'])}",
         f"tokens: {run['tokens']}  batch {run['batch']} x {run['seq_len']}  dtype {run['dtype']}  "
         f"device {run['device']}  {run['seconds']:.1f} s",
     ]

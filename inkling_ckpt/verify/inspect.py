@@ -13,6 +13,7 @@ from typing import Any
 from ..layouts.detect import Checkpoint
 from ..layouts.hf import DTYPE_TO_ST
 from ..model.inventory import parameter_count
+from ..units import fmt_bytes
 
 
 def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
@@ -41,10 +42,10 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
     cfg = ckpt.cfg
     storage = ckpt.storage()
     return {
-        "path": str(ckpt.root),
+        "source": str(ckpt.root),
         "layout": storage["layout"],
         "variant": ckpt.plan.variant,
-        "plan": str(ckpt.plan),
+        "precision_plan": str(ckpt.plan),
         "model": {"hidden_size": cfg.hidden_size, "layers": cfg.num_hidden_layers, "experts": cfg.n_routed_experts,
                   "moe_intermediate_size": cfg.moe_intermediate_size, "vocab_size": cfg.vocab_size,
                   "vision": cfg.vision is not None, "vision_stored": bool(ckpt.vision_specs())},
@@ -58,14 +59,6 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict[str, Any]:
         "formats": dict(sorted(by_format.items())),
         "layers": [dict(layers[i], layer=i) for i in range(cfg.num_hidden_layers)],
     }
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 def _layout(st: dict[str, Any]) -> str:
@@ -83,23 +76,23 @@ def render_inspect(info: dict[str, Any]) -> str:
     m = info["model"]
     vision = "yes" if m["vision"] and m["vision_stored"] else "in config, not stored" if m["vision"] else "no"
     lines = [
-        f"{info['path']}",
+        f"{info['source']}",
         f"  layout  {_layout(info['storage'])}",
-        f"  variant {info['variant']}   plan {info['plan']}",
+        f"  variant {info['variant']}   precision plan {info['precision_plan']}",
         f"  model   hidden {m['hidden_size']}, {m['layers']} layers, {m['experts']} experts x {m['moe_intermediate_size']}, "
         f"vocab {m['vocab_size']}, vision {vision}",
-        f"  {info['tensors']} tensors in {info['files']} files, {_size(info['bytes'])}; "
+        f"  {info['tensors']} tensors in {info['files']} files, {fmt_bytes(info['bytes'])}; "
         f"{info['parameters']:,} parameters",
         "",
         "  by format      layers  tensors        bytes",
     ]
     for fmt, d in info["formats"].items():
-        lines.append(f"  {fmt:<13} {d['layers']:>7} {d['tensors']:>8} {_size(d['bytes']):>12}")
+        lines.append(f"  {fmt:<13} {d['layers']:>7} {d['tensors']:>8} {fmt_bytes(d['bytes']):>12}")
     lines += ["", "  by category"]
     for cat, b in info["bytes_by_category"].items():
-        lines.append(f"  {cat:<18} {_size(b):>12}")
+        lines.append(f"  {cat:<18} {fmt_bytes(b):>12}")
     lines += ["", "  layer  attention          format   tensors  expert bytes     layer bytes"]
     for row in info["layers"]:
         lines.append(f"  {row['layer']:>5}  {row['attention']:<18} {row['format']:<8} {row['tensors']:>7} "
-                     f"{_size(row['expert_bytes']):>13} {_size(row['bytes']):>15}")
+                     f"{fmt_bytes(row['expert_bytes']):>13} {fmt_bytes(row['bytes']):>15}")
     return "\n".join(lines)

@@ -153,9 +153,15 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
 
 
 @triton.jit
-def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, N,
-                        NB: tl.constexpr, OUT_KIND: tl.constexpr):
-    """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16)."""
+def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, N,
+                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr):
+    """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16).
+
+    FACTOR_LAST: out = (e2m1(nibble) * f32(scale)) * s2 instead, the order of the stacked release
+    experts (transformers' Inkling2LoopDequantizeExperts; s2 = amax / denominator): the first
+    product is exact, the second one rounding, so the two orders differ in the last bit at times.
+    BAD_FROM > 0: bad_ptr (int32 [1]) is set to 1 when a block's scale byte is >= BAD_FROM (the
+    caller's validity check, done on the bytes the decode reads anyway)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = N // 16
@@ -164,13 +170,19 @@ def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, N,
     gbase = g.to(tl.int64) * N
     s2 = tl.load(s2_ptr + g)
     sbyte = tl.load(sc_ptr + (gbase // 16) + blk, mask=bmask, other=0).to(tl.int32)
-    eff = tl.load(e4m3_ptr + sbyte) * s2
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
+    sval = tl.load(e4m3_ptr + sbyte)
     woffs = (gbase // 2) + blk[:, None] * 8 + tl.arange(0, 8)[None, :]
     byte = tl.load(w_ptr + woffs, mask=bmask[:, None], other=0).to(tl.int32)
     lo = tl.load(e2m1_ptr + (byte & 0xF))
     hi = tl.load(e2m1_ptr + (byte >> 4))
     vals = tl.reshape(tl.join(lo, hi), [NB, 16])
-    out = vals * eff[:, None]
+    if FACTOR_LAST:
+        out = (vals * sval[:, None]) * s2
+    else:
+        eff = sval * s2
+        out = vals * eff[:, None]
     _store_out(out_ptr, gbase + blk[:, None] * 16 + tl.arange(0, 16)[None, :], out, bmask[:, None], OUT_KIND)
 
 
@@ -244,8 +256,10 @@ def mxfp8_encode_kernel(x_ptr, q_ptr, sc_ptr, bad_ptr, N, ELEM_MAX: tl.constexpr
 
 
 @triton.jit
-def mxfp8_decode_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, N, NB: tl.constexpr, OUT_KIND: tl.constexpr):
-    """out = fp8(q) * 2^(scale - 127) in float32 (0xFF scale -> NaN), then cast."""
+def mxfp8_decode_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, bad_ptr, N, NB: tl.constexpr, OUT_KIND: tl.constexpr,
+                        BAD_FROM: tl.constexpr):
+    """out = fp8(q) * 2^(scale - 127) in float32 (0xFF scale -> NaN), then cast. BAD_FROM: as in
+    nvfp4_decode_kernel."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = N // 32
@@ -253,6 +267,8 @@ def mxfp8_decode_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, N, NB: tl.co
     bmask = blk < nblk
     gbase = g.to(tl.int64) * N
     sbyte = tl.load(sc_ptr + (gbase // 32) + blk, mask=bmask, other=0).to(tl.int32)
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
     s = tl.load(e8m0_ptr + sbyte)
     offs = gbase + blk[:, None] * 32 + tl.arange(0, 32)[None, :]
     byte = tl.load(q_ptr + offs, mask=bmask[:, None], other=0).to(tl.int32)

@@ -167,27 +167,48 @@ def mxfp8_encode(x: torch.Tensor, scale_mode: str = "rceil", element: str = "e4m
     return q.view(_ELEM_DTYPE[element]), sc, bad
 
 
-def nvfp4_decode(w: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Decode packed NVFP4 [G, N/2] + scales [G, N/16] with global scales s2 [G] to ``dtype`` [G, N]."""
+def _out_buffer(out: torch.Tensor | None, g: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if out is None:
+        return torch.empty((g, n), dtype=dtype, device=device)
+    if out.dtype != dtype or tuple(out.shape) != (g, n) or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"out must be a contiguous {dtype} [{g}, {n}] on {device}, got {out.dtype} {list(out.shape)}")
+    return out
+
+
+def nvfp4_decode(w: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor, dtype: torch.dtype, *,
+                 factor_last: bool = False, out: torch.Tensor | None = None,
+                 bad: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode packed NVFP4 [G, N/2] + scales [G, N/16] with global scales s2 [G] to ``dtype`` [G, N].
+
+    ``e2m1 * (scale * s2)``, or with ``factor_last`` ``(e2m1 * scale) * s2`` (the stacked experts'
+    order, s2 = amax / denominator). ``out``: a contiguous [G, N] tensor to write into. ``bad``:
+    an int32 [1] device tensor set to 1 where a scale byte is >= 0x7F (negative or NaN; no
+    quantizer writes one), the decode being done regardless."""
     g, half = _groups(w, 8)
     n = half * 2
     s2 = s2.reshape(-1).to(device=w.device, dtype=torch.float32).contiguous()
-    out = torch.empty((g, n), dtype=dtype, device=w.device)
+    if s2.numel() != g:
+        raise ValueError(f"{s2.numel()} global scales for {g} groups")
+    out = _out_buffer(out, g, n, dtype, w.device)
     if n:
         nb = DEC["NB"]
         e2 = decode_table(E2M1, w.device)
         e4 = decode_table(E4M3, w.device)
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 16, nb), g1 - g0)
-            K.nvfp4_decode_kernel[grid](w[g0:g1], sc.view(torch.uint8)[g0:g1], s2[g0:g1], e2, e4, _out(out[g0:g1]), n,
-                                        NB=nb, OUT_KIND=_OUT_KIND[dtype], num_warps=DEC["num_warps"])
+            K.nvfp4_decode_kernel[grid](w[g0:g1], sc.view(torch.uint8)[g0:g1], s2[g0:g1], e2, e4, _out(out[g0:g1]),
+                                        e4 if bad is None else bad, n, NB=nb, OUT_KIND=_OUT_KIND[dtype],
+                                        FACTOR_LAST=bool(factor_last), BAD_FROM=0 if bad is None else 0x7F,
+                                        num_warps=DEC["num_warps"])
     return out
 
 
-def mxfp8_decode(q: torch.Tensor, sc: torch.Tensor, element: str, dtype: torch.dtype) -> torch.Tensor:
-    """Decode MXFP8 elements [G, N] + E8M0 scales [G, N/32] to ``dtype`` [G, N]."""
+def mxfp8_decode(q: torch.Tensor, sc: torch.Tensor, element: str, dtype: torch.dtype, *,
+                 out: torch.Tensor | None = None, bad: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode MXFP8 elements [G, N] + E8M0 scales [G, N/32] to ``dtype`` [G, N] (into ``out`` if given;
+    ``bad``: int32 [1] set to 1 where a scale byte is 0xFF, E8M0 NaN)."""
     g, n = _groups(q, 32)
-    out = torch.empty((g, n), dtype=dtype, device=q.device)
+    out = _out_buffer(out, g, n, dtype, q.device)
     if n:
         nb = DEC["NB"]
         et = decode_table(_ELEM[element][0], q.device)
@@ -195,5 +216,6 @@ def mxfp8_decode(q: torch.Tensor, sc: torch.Tensor, element: str, dtype: torch.d
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 32, nb), g1 - g0)
             K.mxfp8_decode_kernel[grid](q.view(torch.uint8)[g0:g1], sc.view(torch.uint8)[g0:g1], et, st, _out(out[g0:g1]),
-                                        n, NB=nb, OUT_KIND=_OUT_KIND[dtype], num_warps=DEC["num_warps"])
+                                        st if bad is None else bad, n, NB=nb, OUT_KIND=_OUT_KIND[dtype],
+                                        BAD_FROM=0 if bad is None else 0xFF, num_warps=DEC["num_warps"])
     return out
