@@ -211,7 +211,7 @@ def test_float32_and_float16_checkpoints_are_read(cli, wide):
         code, out, err = cli("inspect", wide[v], "--json")
         assert code == 0, err
         got = json.loads(out)
-        assert got["variant"] == v and str(got["plan"]) == f"0-3:{v}", got["plan"]
+        assert got["variant"] == v and got["precision_plan"] == f"0-3:{v}", got["precision_plan"]
         code, out, err = cli("verify", wide[v], wide[v], "--exact", "-q")
         assert code == 0 and "126 tensors: 126 bit-exact" in out, out
 

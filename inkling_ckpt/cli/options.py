@@ -83,8 +83,8 @@ SHARD_SIZE = typer.Option("5GB", "--max-shard-size", metavar="SIZE",
                           help="Largest safetensors file, e.g. 5GB, 500MB, 2MiB.")
 #: For commands writing an HF checkpoint from another one: by default the source's files are kept.
 KEEP_SHARDS = typer.Option(None, "--max-shard-size", metavar="SIZE",
-                           help="Largest safetensors file, e.g. 5GB, 500MB, 2MiB. Default: the source's (or "
-                                "--reference's) files and index when the output holds exactly its tensors, else 5GB.")
+                           help="Largest safetensors file, e.g. 5GB, 500MB, 2MiB. Default: the files and index of the "
+                                "checkpoint whose tensors the output holds exactly (source or reference), else 5GB.")
 DTYPE = typer.Option(None, "--dtype", help="Dtype of the routed experts the output holds unquantized. Default: their "
                      "stored dtype where the source holds them unquantized (a cast that would round them, F32 -> BF16, "
                      "is refused and names this option), else BF16.")
