@@ -31,11 +31,12 @@ from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, de
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
 from ..layouts.paths import check_dst, inside
+from ..layouts.pread import TensorFile
 from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..progress import ByteProgress
-from .io import Adapter, TensorFile, read_json
+from .io import Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"

@@ -132,37 +132,60 @@ def _energy(x: torch.Tensor) -> float:
     return float(torch.dot(x, x)) if x.numel() else 0.0
 
 
+#: Elements whose error statistics are taken at once: the float32 temporaries (difference,
+#: masks) stay a few 16 MiB blocks however large the slice compared.
+STATS_CHUNK = 1 << 22
+
+
 def exact_stats(a: torch.Tensor) -> Stats:
     """Stats of a tensor compared with a bit-identical copy (only its energy is needed)."""
     a = a.to(torch.float32).reshape(-1)
-    fin = torch.isfinite(a)
-    signal = _energy(a) if bool(fin.all()) else _energy(a[fin])
-    return Stats(tensors=1, bit_exact_tensors=1, elements=a.numel(), exact_elements=a.numel(), signal=signal)
+    s = Stats(tensors=1, bit_exact_tensors=1, elements=a.numel(), exact_elements=a.numel())
+    for i in range(0, a.numel(), STATS_CHUNK):
+        x = a[i:i + STATS_CHUNK]
+        fin = torch.isfinite(x)
+        s.signal += _energy(x) if bool(fin.all()) else _energy(x[fin])
+    return s
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor) -> Stats:
-    """Error of ``b`` against the reference ``a`` (same shape), in float32 with float32 dot products."""
+    """Error of ``b`` against the reference ``a`` (same shape), in float32 with float32 dot products.
+
+    Taken ``STATS_CHUNK`` elements at a time (the sums pooled in float64), so memory beyond the
+    two inputs stays a few chunks."""
     a = a.to(torch.float32).reshape(-1)
     b = b.to(torch.float32).reshape(-1)
-    exact = int((a.view(torch.int32) == b.view(torch.int32)).sum())
+    s = Stats(tensors=1, elements=a.numel())
+    for i in range(0, a.numel(), STATS_CHUNK):
+        _add_chunk(s, a[i:i + STATS_CHUNK], b[i:i + STATS_CHUNK])
+    s.bit_exact_tensors = int(s.exact_elements == s.elements)
+    return s
+
+
+def _add_chunk(s: Stats, a: torch.Tensor, b: torch.Tensor) -> None:
+    same = a.view(torch.int32) == b.view(torch.int32)
+    exact = int(same.sum())
+    s.exact_elements += exact
     if exact == a.numel():
-        return exact_stats(a)
-    s = Stats(tensors=1, elements=a.numel(), exact_elements=exact)
+        fin = torch.isfinite(a)
+        s.signal += _energy(a) if bool(fin.all()) else _energy(a[fin])
+        return
     e = b - a
     if bool(torch.isfinite(e).all()):
-        s.signal, s.noise = _energy(a), _energy(e)
-        s.max_abs = float(e.abs().max())
-        return s
+        s.signal += _energy(a)
+        s.noise += _energy(e)
+        s.max_abs = max(s.max_abs, float(e.abs().max()))
+        return
     # Some value is NaN or ±Inf on one side: sum over the finite pairs, and a differing
     # non-finite value makes the maximum error infinite.
     finite = torch.isfinite(a) & torch.isfinite(b)
     ef = e[finite]
-    s.signal, s.noise = _energy(a[finite]), _energy(ef)
-    s.max_abs = float(ef.abs().max()) if ef.numel() else 0.0
-    same = a.view(torch.int32) == b.view(torch.int32)
+    s.signal += _energy(a[finite])
+    s.noise += _energy(ef)
+    if ef.numel():
+        s.max_abs = max(s.max_abs, float(ef.abs().max()))
     if not bool((same | finite).all()):
         s.max_abs = math.inf
-    return s
 
 
 @dataclass
@@ -217,7 +240,7 @@ def _describe(src: Any, path: str | Path) -> dict[str, Any]:
 Chunk = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]
 Loader = Callable[[], Iterator[Chunk]]
 #: BF16 bytes of experts decoded at once per side (float32 doubles it).
-SLICE_BYTES = 64 * 2**20
+SLICE_BYTES = 32 * 2**20
 
 
 def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
@@ -226,13 +249,24 @@ def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
             and _same_bytes(wide.to(narrow.dtype), narrow))
 
 
-def _dense(a: Any, b: Any, name: str) -> Iterator[Chunk]:
-    ta, tb = a.get(name), b.get(name)
-    if _same_bytes(ta, tb):
-        yield ta.float(), None, None
+def _dense(a: Any, b: Any, name: str, shape: tuple[int, ...], shape_b: tuple[int, ...], nbytes: int,
+           ) -> Iterator[Chunk]:
+    """A non-expert tensor in row slices of about ``SLICE_BYTES`` (an embedding is GBs at full size)."""
+    if tuple(shape) != tuple(shape_b):
+        raise CheckpointError(f"{name}: shape {list(shape)} in A, {list(shape_b)} in B")
+    ranges: list[tuple[int, int] | None]
+    if not shape or nbytes <= SLICE_BYTES:
+        ranges = [None]
     else:
-        rounded = _narrowed(ta, tb) or _narrowed(tb, ta)
-        yield ta.float(), tb.float(), "narrowed" if rounded else None
+        step = max(1, shape[0] * SLICE_BYTES // max(1, nbytes))
+        ranges = [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
+    for r in ranges:
+        ta, tb = (a.get(name), b.get(name)) if r is None else (a.read_rows(name, *r), b.read_rows(name, *r))
+        if _same_bytes(ta, tb):
+            yield ta.float(), None, None
+        else:
+            rounded = _narrowed(ta, tb) or _narrowed(tb, ta)
+            yield ta.float(), tb.float(), "narrowed" if rounded else None
 
 
 def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[Chunk]:
@@ -266,9 +300,11 @@ def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Load
     """
     cfg = a.cfg
     only_a, only_b = unpaired(a, b)
+    shapes_b = {sp.name: tuple(sp.shape) for sp in b.expected() if sp.part is None}
     for spec in a.expected():
         if spec.part is None and spec.name not in only_a:
-            yield spec.name, DENSE, spec.layer, spec.nbytes, partial(_dense, a, b, spec.name)
+            yield spec.name, DENSE, spec.layer, spec.nbytes, partial(
+                _dense, a, b, spec.name, tuple(spec.shape), shapes_b[spec.name], spec.nbytes)
     for layer in range(cfg.num_hidden_layers):
         for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer), strict=True):
             nbytes = sum(p.nbytes for p in sa.parts())

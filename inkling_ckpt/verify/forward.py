@@ -41,7 +41,6 @@ import json
 import math
 import re
 import time
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -50,6 +49,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, FormatError, InklingError
 from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
+from ..layouts.pread import TensorFile
 
 SCHEMA = "inkling-ckpt/verify-forward/1"
 INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
@@ -57,6 +57,8 @@ TRANSFORMERS_VERSION = "5.24.0"
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+#: Bytes of rows read at a time into a tensor bound for a GPU (host memory holds one such block).
+BLOCK_BYTES = 64 * 2**20
 
 
 class MissingDependency(InklingError):
@@ -140,13 +142,13 @@ class SafetensorsFolder:
     """Tensors of an HF safetensors checkpoint folder (index or single file), read one at a time.
 
     Every file named by the index must resolve inside the folder. Headers are read up front
-    (no tensor data); ``get`` reads one tensor through ``safe_open``.
+    (no tensor data, offsets checked against the file sizes); ``get`` reads one tensor with
+    plain positioned reads, never a memory map: a mapped file's touched pages stay in the
+    process's resident set until unmapped, so RSS would grow with the checkpoint (every layer
+    read so far) instead of staying at the one unit in memory.
     """
 
     def __init__(self, folder: str | Path):
-        from safetensors import SafetensorError, safe_open
-
-        self._safe_open = safe_open
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder}: not a checkpoint folder")
@@ -163,61 +165,52 @@ class SafetensorsFolder:
             weight_map = None
         else:
             raise CheckpointError(f"{self.folder}: neither {INDEX} nor {SINGLE}")
-        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE]
-        self._paths: dict[str, Path] = {}
+        files = sorted(set(map(str, weight_map.values()))) if weight_map is not None else [SINGLE]
+        self._files: dict[str, TensorFile] = {}
         for f in files:
-            p = (self.folder / str(f)).resolve()
+            p = (self.folder / f).resolve()
             if not p.is_relative_to(root) or p == root:
                 raise CheckpointError(f"{index}: file {f!r} resolves outside {self.folder}")
             if not p.is_file():
                 raise CheckpointError(f"{self.folder}: shard {f} is missing")
-            self._paths[str(f)] = p
-        self._where: dict[str, str] = {}
+            self._files[f] = TensorFile(p)  # header only; the file is opened on the first read
+        self._where: dict[str, TensorFile] = {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        for f, p in self._paths.items():
-            try:
-                with safe_open(str(p), "pt") as h:
-                    for name in h.keys():
-                        sl = h.get_slice(name)
-                        self.meta[name] = (tuple(sl.get_shape()), _st_dtype(sl.get_dtype(), p, name))
-                        self._where[name] = f
-            except SafetensorError as e:
-                raise CheckpointError(f"{p}: unreadable safetensors file ({e})") from None
+        for f, tf in self._files.items():
+            for name, (shape, dt, _) in tf.entries.items():
+                if name in self._where:
+                    raise CheckpointError(f"{self.folder}: {name} is in both {self._where[name].path.name} and {f}")
+                self.meta[name] = (shape, dt)
+                self._where[name] = tf
         if weight_map is not None:
             for name, f in weight_map.items():
-                if self._where.get(name) != str(f):
+                held = self._where.get(name)
+                if held is None or held is not self._files.get(str(f)):
                     raise CheckpointError(f"{index}: {name} is not in {f}")
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
 
     def get(self, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Read one tensor (as stored) onto ``device``."""
-        f = self._where[name]
-        h = self._handles.get(f)
-        if h is None:
-            h = self._handles[f] = self._stack.enter_context(self._safe_open(str(self._paths[f]), "pt"))
-        t = h.get_tensor(name)
-        return t.to(device) if str(device) != "cpu" else t
+        """Read one tensor (as stored) onto ``device``; onto a GPU in blocks of rows (:meth:`read_blocks`)."""
+        if torch.device(device).type == "cpu":
+            return self._where[name].read(name)
+        return self.read_blocks(name, device)
+
+    def read_blocks(self, name: str, device: torch.device | str, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
+        """One tensor onto ``device``, ``block_bytes`` of dim-0 rows at a time (at least one row):
+        host memory holds one block, not the tensor (a full-size layer's stacked w13 is 16 GB)."""
+        shape, dt = self.meta[name]
+        out = torch.empty(shape, dtype=dt, device=device)
+        if len(shape) == 0 or out.numel() == 0:
+            return out.copy_(self._where[name].read(name)) if len(shape) == 0 else out
+        row = max(1, out[0].numel() * dt.itemsize)
+        step = max(1, block_bytes // row)
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            out[lo:hi].copy_(self._where[name].read(name, lo, hi))
+        return out
 
     def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-if hasattr(torch, "float8_e8m0fnu"):
-    _ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
-
-
-def _st_dtype(code: str, path: Path, name: str) -> torch.dtype:
-    try:
-        return _ST_DTYPES[code]
-    except KeyError:
-        raise CheckpointError(f"{path}: {name} has unsupported dtype {code}") from None
+        for tf in self._files.values():
+            tf.close()
 
 
 # ------------------------------------------------------------------------------------------
