@@ -366,12 +366,23 @@ def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     f = mg / "release" / "__3_0.distcp"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     _fails(cli, tmp_path, "convert", "megatron-to-hf", mg, dst, "--reference", ref, match="__3_0.distcp")
-    # a reference of another model: the checkpoint holds layers the reference does not have
+    # a reference of another model: its config differs from the one the folder keeps (named fields)
     two = _reference(tmp_path, "two", layers=2)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", two,
            match="describes another model than this checkpoint: reference: 2 layers; checkpoint: 4 layers")
     e4 = _reference(tmp_path, "e4", experts=4)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", e4,
+           match="reference: 4 experts; checkpoint: 8 experts")
+    # a folder that keeps no config: the tensors themselves are checked against the reference
+    bare = _copy(megatron["mixed"], tmp_path / "bare")
+    common = torch.load(bare / "release" / "common.pt", weights_only=True)
+    common.pop("inkling", None)
+    torch.save(common, bare / "release" / "common.pt")
+    for p in (bare / "release").glob("*.sha256"):
+        p.unlink()  # (a foreign folder has no sidecars either)
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", two,
+           match="reference: 2 layers; checkpoint: 4 layers")
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", e4,
            match="reference: 4 experts; checkpoint: 8 experts")
 
 

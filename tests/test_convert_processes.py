@@ -23,10 +23,16 @@ def _cli(*args: object) -> list[str]:
 
 
 def _same_tree(a: Path, b: Path) -> list[str]:
-    """Relative paths that differ between two folder trees (byte for byte, hidden files included)."""
+    """Relative paths that differ between two folder trees (byte for byte, hidden files included; the
+    done record under .cache/huggingface, which holds this run's file times, both sides must have)."""
     import filecmp
 
+    from inkling_ckpt.layouts.staging import done_marker
+
+    assert done_marker(a).is_file() and done_marker(b).is_file()
+    record = done_marker(a).relative_to(a)
     files = {p.relative_to(a) for p in a.rglob("*") if p.is_file()} | {p.relative_to(b) for p in b.rglob("*") if p.is_file()}
+    files.discard(record)
     return sorted(str(f) for f in files
                   if not (a / f).is_file() or not (b / f).is_file() or not filecmp.cmp(a / f, b / f, shallow=False))
 

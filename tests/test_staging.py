@@ -13,8 +13,10 @@ from conftest import TINY, TINY_PLAN
 from inkling_ckpt.layouts.staging import JOB_FILE, Staging, done_marker
 
 
-def _files(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+def _files(folder: Path, bookkeeping: bool = False) -> dict[str, bytes]:
+    """Every file under ``folder``; the done record under .cache/huggingface only with ``bookkeeping``."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+            and (bookkeeping or not p.relative_to(folder).as_posix().startswith(".cache/huggingface/"))}
 
 
 @pytest.fixture
@@ -45,8 +47,9 @@ def test_outputs_hold_no_bookkeeping_and_no_absolute_path(cli, tmp_path, src):
         record = json.loads(done_marker(out / name).read_text())
         assert set(record) == {"command", "fingerprint", "inkling_ckpt", "output"}
         assert not any(p in json.dumps(record).encode() for p in private)
-    assert sorted(p.name for p in out.iterdir()) == [".meg.inkling-done.json", ".q.inkling-done.json",
-                                                   ".sh.inkling-done.json", "meg", "q", "sh"]
+        assert [f for f in _files(out / name, bookkeeping=True) if f.startswith(".")] == \
+            [".cache/huggingface/inkling-ckpt.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["meg", "q", "sh"]  # nothing piles up beside outputs
 
 
 def test_upload_folder_would_publish_only_the_checkpoint(cli, tmp_path, src):
@@ -59,6 +62,7 @@ def test_upload_folder_would_publish_only_the_checkpoint(cli, tmp_path, src):
     assert cli("quantize", src, dst, "--plan", TINY_PLAN, "-q")[0] == 0
     ops = HfApi()._prepare_upload_folder_additions(dst, "", ignore_patterns=list(DEFAULT_IGNORE_PATTERNS))
     uploaded = sorted(op.path_in_repo for op in ops)
+    assert done_marker(dst).is_file()  # the record is in the folder, and upload_folder skips it
     assert uploaded == sorted(_files(dst))
     assert uploaded and not [f for f in uploaded if f.startswith(".") or "/." in f]
 

@@ -8,9 +8,11 @@ a non-zero exit (``-vv`` adds the traceback).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import sys
 import traceback
-from typing import Optional
+from typing import Any, Callable, Optional, Sequence
 
 import typer
 
@@ -44,6 +46,26 @@ def _root(
     Every command takes --json (a report with a versioned 'schema' key) and -v; every command that
     writes takes --dry-run (validate, report, write nothing). Sizes people read are decimal (GB = 10^9 B).
     """
+
+
+def declares(*, reads: Sequence[str] = (), writes: Sequence[str] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare which parameters of a command are paths it reads and which it writes. Before the
+    command runs, one check refuses any written path that is, contains or lies inside a read one
+    (:func:`~inkling_ckpt.layouts.paths.check_outputs`): sources, ``--config``, ``--reference``,
+    ``--tokens`` and adapters all count, ``--force`` or not."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            from ..layouts.paths import check_outputs  # no torch: --help stays light
+
+            given = sig.bind_partial(*args, **kwargs).arguments
+            check_outputs([given.get(n) for n in writes], [given.get(n) for n in reads])
+            return fn(*args, **kwargs)
+        run.declared = (tuple(reads), tuple(writes))  # type: ignore[attr-defined]
+        return run
+    return wrap
 
 
 def _register() -> None:

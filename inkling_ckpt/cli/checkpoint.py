@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .options import (CONFIG, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, QUIET, REVISION,
                       TOKEN, VERBOSE, DenseDtype, Scales, Size, Variant, emit, hub, render_job, setup)
 
@@ -18,6 +18,7 @@ def report(rep: dict[str, Any], as_json: bool) -> None:
 
 
 @app.command("make-fixture")
+@declares(writes=["out"])
 def make_fixture(
     out: Path = typer.Argument(..., metavar="OUT", help="Folder to write the checkpoint (or with --lora the adapter "
                                                        "dump) into."),
@@ -87,6 +88,7 @@ def inspect_cmd(
 
 
 @app.command("quantize")
+@declares(reads=["src", "reference"], writes=["dst"])
 def quantize(
     src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (BF16, or already quantized)."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),
@@ -122,6 +124,7 @@ def quantize(
 
 
 @app.command("dequantize")
+@declares(reads=["src"], writes=["dst"])
 def dequantize(
     src: str = typer.Argument(..., metavar="SRC", help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder for the BF16 checkpoint."),

@@ -9,7 +9,7 @@ from typing import Iterator, Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .checkpoint import report
 from .options import (DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, PRESET, QUIET, READ_PRESET,
                       REVISION, TOKEN, VERBOSE, DenseDtype, Preset, Scales, hub, setup)
@@ -79,6 +79,7 @@ def _rank() -> int:
 
 
 @convert_app.command("hf-to-megatron")
+@declares(reads=["src"], writes=["dst"])
 def hf_to_megatron_cmd(
     src: str = typer.Argument(..., metavar="SRC", help="HF checkpoint folder (or hub repo id): BF16, MXFP8, NVFP4 or "
                                                        "mixed."),
@@ -120,6 +121,7 @@ def hf_to_megatron_cmd(
 
 
 @convert_app.command("megatron-to-hf")
+@declares(reads=["src", "reference"], writes=["dst"])
 def megatron_to_hf_cmd(
     src: Path = typer.Argument(..., metavar="SRC", help="Megatron torch_dist checkpoint: the save folder or an "
                                                         "iteration folder (release/, iter_N/)."),
@@ -164,6 +166,7 @@ def megatron_to_hf_cmd(
 
 
 @convert_app.command("hf-to-hf")
+@declares(reads=["src"], writes=["dst"])
 def hf_to_hf_cmd(
     src: str = typer.Argument(..., metavar="SRC", help="Source HF checkpoint (any variant)."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder (published atomically)."),

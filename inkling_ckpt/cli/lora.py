@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .options import DRY_RUN, FORCE, JSON, QUIET, VERBOSE, emit, render_job, setup
 
 lora_app = typer.Typer(
@@ -22,6 +22,7 @@ app.add_typer(lora_app, name="lora")
 
 
 @lora_app.command("export")
+@declares(reads=["trainer_adapter", "config"], writes=["out"])
 def export_cmd(
     trainer_adapter: Path = typer.Argument(..., metavar="TRAINER_ADAPTER",
                                            help="Megatron torch_dist folder, or a .safetensors dump (file or folder) "
@@ -68,6 +69,7 @@ def _render_export(rep: dict[str, Any]) -> str:
 
 
 @lora_app.command("merge")
+@declares(reads=["base", "adapter"], writes=["out"])
 def merge_cmd(
     base: Path = typer.Argument(..., metavar="BASE", help="Release checkpoint folder (BF16, mixed or MXFP8)."),
     adapter: Path = typer.Argument(..., metavar="ADAPTER", help="Adapter folder (adapter_config.json + "

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, Variant, emit, hub, render_job,
                       setup)
 
@@ -28,6 +28,7 @@ _HELP = "\n\n".join([
 
 
 @app.command("shard", help=_HELP)
+@declares(reads=["src"], writes=["dst"])
 def shard_cmd(
     src: str = typer.Argument(..., metavar="SRC", help="HF checkpoint to split (with --merge: the sharded folder)."),
     dst: Optional[Path] = typer.Argument(None, metavar="DST", help="Output folder, published atomically (not needed "

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .app import app
+from .app import app, declares
 from .options import JSON, QUIET, REVISION, TOKEN, VERBOSE, ForwardDtype, emit, hub, setup
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
@@ -40,6 +40,7 @@ _HELP = "\n\n".join([
 
 
 @app.command("verify", help=_HELP)
+@declares(reads=["a", "b", "tokens", "config"], writes=["plot"])
 def verify_cmd(
     a: str = typer.Argument(..., metavar="CKPT_A", help="Reference checkpoint (e.g. the BF16 source)."),
     b: str = typer.Argument(..., metavar="CKPT_B", help="Checkpoint to measure against A."),

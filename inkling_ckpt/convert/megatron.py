@@ -37,8 +37,8 @@ from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
 from ..layouts.hf import DEFAULT_MAX_SHARD, DTYPE_TO_ST, HFWriter, reference_sharding
 from ..layouts.megatron import (
-    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state,
-    finish_iteration_dir, stored_config, write_dcp, write_tracker,
+    CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
+    empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
 from ..layouts.staging import Staging
 from ..model.inventory import expert_stacks, inventory, is_vision
@@ -304,7 +304,9 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
     reader = TorchDistCheckpoint.open(src)
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
+    # the model size first, field by field; then any other config difference from the kept copy
     check_same_model(reader, cfg, str(reader.folder), "reference", str(getattr(reference, "root", "")))
+    check_reference_config(reader.common, reference.config, str(reader.folder))
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
+import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,9 +29,9 @@ from ..model.inventory import FLOAT_DTYPES, Category, Scope, TensorSpec, detect_
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
 from .limits import check_config_bounds, config_from_dict
-from .paths import check_file_inside, check_name, inside
+from .paths import check_name, check_regular, copy_new, inside, open_regular, pass_through
 from .hub import hub_access, resolve_source, split_repo_id
-from .staging import DONE_FILE, JOB_FILE
+from .staging import DONE_FILE, JOB_FILE, write_new
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -173,7 +173,7 @@ class HFCheckpoint:
         buf = torch.empty(count, dtype=torch.uint8)
         path = self.root / st.file
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path, buffering=0) as f:
                 f.seek(st.offset + start * row)
                 got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         except OSError as e:
@@ -195,7 +195,7 @@ class HFCheckpoint:
         h = self._handles.get(file)
         if h is None:
             try:
-                h = safe_open(str(self.root / file), framework="pt")
+                h = safe_open(str(check_regular(self.root / file)), framework="pt")
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{self.root / file}: cannot open ({e})") from None
             self._handles[file] = h
@@ -211,15 +211,10 @@ class HFCheckpoint:
 
     def extra_files(self) -> dict[str, Path]:
         """Top-level files a writer copies through (tokenizer, generation config, ...), as paths:
-        :func:`write_extra_files` streams them. A symlink leaving the checkpoint folder is refused."""
-        out: dict[str, Path] = {}
-        for p in sorted(self.root.iterdir()):
-            if p.name in _OWN_FILES or p.name.endswith(".safetensors") or p.name.startswith("."):
-                continue
-            check_file_inside(self.root, p, str(self.root))
-            if p.is_file():
-                out[p.name] = p
-        return out
+        :func:`write_extra_files` streams them. One rule for every pass-through copy
+        (:func:`~inkling_ckpt.layouts.paths.pass_through`): links leaving the folder and special
+        files are refused, hidden names (``.git``, ``.cache``) are not checkpoint files."""
+        return pass_through(self.root, skip=lambda rel: rel in _OWN_FILES or rel.endswith(".safetensors"))
 
     def storage(self) -> dict[str, Any]:
         """How the folder stores the tensors (for ``inspect``)."""
@@ -286,8 +281,8 @@ def read_header(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype, int
     before any tensor is read.
     """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
                 raise CheckpointError(f"{path}: truncated safetensors file (no header)")
@@ -526,15 +521,17 @@ def write_json(path: Path, data: Any) -> None:
 
 def write_extra_files(files: Mapping[str, bytes | Path], dst: Path) -> None:
     """Write the pass-through files (tokenizer, generation config, ...) into ``dst``; paths are
-    copied streaming (never read whole), bytes written as they are."""
+    copied streaming (never read whole, regular files only), bytes written as they are; every
+    target is created new (:func:`~inkling_ckpt.layouts.paths.copy_new`), never through a link."""
     for name, data in files.items():
         check_name(name, str(dst), "pass-through file")
         try:
             if isinstance(data, Path):
-                with open(data, "rb") as fin, open(dst / name, "wb") as fout:
-                    shutil.copyfileobj(fin, fout, 16 << 20)
+                copy_new(data, dst / name)
             else:
-                (dst / name).write_bytes(data)
+                if os.path.lexists(dst / name):
+                    (dst / name).unlink()
+                write_new(dst / name, data)
         except OSError as e:
             raise OutputError(f"cannot write {name} into {dst}: {e.strerror}") from None
 

@@ -42,6 +42,7 @@ import hashlib
 import io
 import json
 import os
+import dataclasses
 import pickle
 import re
 import sys
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,9 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import CheckpointError, IntegrityError
+from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
-from .paths import inside
+from .paths import check_regular, inside, open_regular
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -111,6 +112,43 @@ def read_stored_config(common: Mapping[str, Any]) -> dict[str, Any] | None:
     ours = common.get(INKLING_KEY)
     config = ours.get(CONFIG_KEY) if isinstance(ours, Mapping) else None
     return dict(config) if isinstance(config, Mapping) else None
+
+
+# Keys that say how a config was saved, not what model it describes: a reference of another
+# precision or transformers version describes the same weights.
+_CONFIG_BOOKKEEPING = frozenset({"quantization_config", "transformers_version", "_name_or_path", "torch_dtype", "dtype",
+                                 "architectures", "auto_map", "use_cache", "vision_config"})
+
+
+def config_differences(kept: Mapping[str, Any], other: Mapping[str, Any]) -> list[str]:
+    """Dotted names of the model fields where two config.json dicts disagree (bookkeeping keys and
+    the vision config, which a torch_dist folder does not hold, left out)."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            for k in sorted(set(a) | set(b), key=str):
+                if k in _CONFIG_BOOKKEEPING:
+                    continue
+                walk(a.get(k), b.get(k), f"{prefix}{k}" if prefix == "" else f"{prefix}.{k}")
+        elif a != b:
+            out.append(prefix.removeprefix("text_config."))
+
+    walk(kept, other, "")
+    return out
+
+
+def check_reference_config(common: Mapping[str, Any], reference: Mapping[str, Any], where: str) -> None:
+    """Refuse a reference whose config describes another model than the one a torch_dist folder keeps
+    (what ``hf-to-megatron`` stored in ``common.pt``): its config would be published with these weights."""
+    kept = read_stored_config(common)
+    if kept is None:
+        return
+    diff = config_differences(kept, reference)
+    if diff:
+        more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+        raise ConfigError(f"{where}: the --reference config describes another model than the one kept in its "
+                          f"{COMMON}: they differ in {', '.join(diff[:3])}{more}; use the release these weights came from")
 
 
 def empty_extra_state() -> bytes:
@@ -330,7 +368,8 @@ def _read_sums(folder: Path) -> dict[tuple[str, int, int], str]:
     for p in sorted(folder.glob("*" + SUMS_SUFFIX)):
         name = p.name[: -len(SUMS_SUFFIX)]
         try:
-            lines = p.read_text(encoding="ascii").splitlines()
+            with open_regular(p, limit=1 << 30) as f:
+                lines = f.read().decode("ascii").splitlines()
             for line in lines:
                 a, n, h = line.split(" ")
                 if len(h) != 64:
@@ -467,6 +506,7 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
     from torch.distributed.checkpoint import filesystem as fs
     import collections
     import copyreg
+    import pathlib
 
     table: dict[tuple[str, str], Any] = {
         ("torch", "Size"): torch.Size, ("torch", "device"): torch.device,
@@ -476,6 +516,12 @@ def _dcp_allowed() -> dict[tuple[str, str], Any]:
         ("builtins", "set"): set, ("builtins", "frozenset"): frozenset, ("builtins", "object"): object,
         ("copyreg", "_reconstructor"): copyreg._reconstructor,  # type: ignore[attr-defined]  # private: not in typeshed
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): fs._StorageInfo,
+        # torch's own FileSystemWriter records the checkpoint_id it was given, often a Path: it
+        # comes back as a pure path (plain data; nothing touches the filesystem).
+        ("pathlib", "PosixPath"): pathlib.PurePosixPath, ("pathlib._local", "PosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib._local", "PurePosixPath"): pathlib.PurePosixPath,
+        ("pathlib", "WindowsPath"): pathlib.PureWindowsPath, ("pathlib._local", "WindowsPath"): pathlib.PureWindowsPath,
     }
     for name in ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
                  "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING"):
@@ -500,9 +546,76 @@ _DCP_ALLOWED: dict[tuple[str, str], Any] | None = None
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+def _buildable() -> frozenset[type]:
+    """Classes whose fresh instances may take pickled state (BUILD): the allowed dataclasses and
+    the inert stand-in. Never a class object, an enum member or anything built elsewhere."""
+    global _DCP_ALLOWED
+    if _DCP_ALLOWED is None:
+        _DCP_ALLOWED = _dcp_allowed()
+    return frozenset({v for v in _DCP_ALLOWED.values() if isinstance(v, type) and dataclasses.is_dataclass(v)}
+                     | {_Stand_in})
+
+
+class _BoundedBytes(io.BytesIO):
+    """The ``.metadata`` bytes, refusing any read longer than what is left: a length field
+    declaring 2^60 bytes fails at once instead of allocating."""
+
+    def read(self, n: int | None = -1) -> bytes:
+        if n is not None and n > len(self.getbuffer()) - self.tell():
+            raise pickle.UnpicklingError(f"a length of {n} bytes runs past the end of the file")
+        return super().read(n)
+
+    def readinto(self, b: Any) -> int:
+        if len(b) > len(self.getbuffer()) - self.tell():
+            raise pickle.UnpicklingError(f"a length of {len(b)} bytes runs past the end of the file")
+        return super().readinto(b)
+
+
+_P = pickle._Unpickler  # the pure-Python unpickler: its opcodes can be overridden
+_OPS: dict[int, Callable[[Any], None]] = dict(_P.dispatch)  # its opcode table (typed loosely: it takes any subclass)
+
+
+class _MetadataUnpickler(_P):
     """Unpickles DCP ``.metadata`` allowing exact (module, name) pairs: torch's checkpoint
-    dataclasses and plain types; legacy ``megatron.*`` classes become inert stand-ins."""
+    dataclasses and plain types; legacy ``megatron.*`` classes become inert stand-ins.
+
+    BUILD (set an object's state) applies only to instances this load itself just built, of an
+    allowed dataclass (never to a class object or a shared enum member: a crafted file could
+    otherwise set attributes on torch's own classes for the rest of the process), and every
+    length in the file is bounded by what is left of it (:class:`_BoundedBytes`).
+    """
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = dict(_OPS)  # loosely typed: its entries take any subclass
+    stack: list[Any]  # the pure-Python unpickler's value stack (not in its stub)
+
+    def __init__(self, file: Any):
+        super().__init__(file)
+        self._fresh: set[int] = set()
+        self._keep: list[Any] = []  # keeps what was built alive, so its id() stays its own
+        self._allowed_build = _buildable()
+
+    def _built(self) -> None:
+        obj = self.stack[-1]
+        self._fresh.add(id(obj))
+        self._keep.append(obj)
+
+    def _load_build(self) -> None:
+        if len(self.stack) < 2:
+            raise pickle.UnpicklingError("BUILD with an empty stack")
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type) or id(inst) not in self._fresh or type(inst) not in self._allowed_build:
+            raise pickle.UnpicklingError(f"refusing to unpickle: BUILD on {type(inst).__name__[:80]}, not a freshly "
+                                         "built checkpoint record")
+        if isinstance(state, tuple) and len(state) == 2:
+            parts = [x for x in state if x is not None]
+        else:
+            parts = [state]
+        own_setstate = "__setstate__" in vars(type(inst))  # e.g. TensorProperties: its own, allowed code
+        if not own_setstate and not all(isinstance(x, dict) and all(isinstance(k, str) for k in x) for x in parts):
+            raise pickle.UnpicklingError(f"refusing to unpickle: state of {type(inst).__name__[:80]} is not a dict")
+        _OPS[pickle.BUILD[0]](self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         global _DCP_ALLOWED
@@ -523,12 +636,30 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to unpickle {module[:80]}.{name[:80]}: not an allowed class")
 
 
+def _marking(op: bytes) -> Callable[[_MetadataUnpickler], None]:
+    inner = _OPS[op[0]]
+
+    def load(self: _MetadataUnpickler) -> None:
+        inner(self)
+        self._built()
+    return load
+
+
+for _op in (pickle.REDUCE, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.INST):
+    _MetadataUnpickler.dispatch[_op[0]] = _marking(_op)
+
+MAX_METADATA_BYTES = 4 << 30  # .metadata of the full-size model is tens of MB
+
+
 def read_dcp_metadata(path: Path) -> Metadata:
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        with open_regular(path, limit=MAX_METADATA_BYTES) as f:
+            raw = f.read()
+        md = _MetadataUnpickler(_BoundedBytes(raw)).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)") from None
+    except CheckpointError:
+        raise
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
     except Exception as e:  # untrusted bytes: any failure to unpickle is a damaged or hostile file
@@ -676,7 +807,8 @@ def resolve_iteration_dir(path: Path) -> Path:
     tracker = path / TRACKER
     if tracker.is_file():
         try:
-            text = tracker.read_bytes()[:256].decode("utf-8").strip()
+            with open_regular(tracker) as f:
+                text = f.read(256).decode("utf-8").strip()
         except UnicodeDecodeError:
             raise CheckpointError(f"{tracker}: not text (expected 'release' or an iteration number)") from None
         except OSError as e:
@@ -758,15 +890,16 @@ class TorchDistCheckpoint:
         if not mj.is_file():
             raise CheckpointError(f"{folder}: no {METADATA_JSON}: an unfinished or interrupted save, not a checkpoint")
         try:
-            backend = json.loads(mj.read_text())
-        except (OSError, ValueError):
+            with open_regular(mj, limit=1 << 20) as f:
+                backend = json.loads(f.read())
+        except (OSError, ValueError, RecursionError):
             raise CheckpointError(f"{mj}: not valid JSON") from None
         if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
             raise CheckpointError(f"{mj}: sharded_backend is {backend.get('sharded_backend') if isinstance(backend, dict) else backend!r}, expected torch_dist")
         metadata = read_dcp_metadata(folder / DCP_METADATA)
         ckpt = cls(folder, metadata, {})
         if (folder / COMMON).is_file():
-            common = _safe_load(folder / COMMON, str(folder / COMMON))
+            common = _safe_load(check_regular(inside(folder, COMMON, str(folder))), str(folder / COMMON))
         elif "common_state/shard_0_1" in ckpt.objects:  # mcore 0.19 keeps it inside DCP
             common = ckpt.read_object("common_state/shard_0_1")
             common = common[0] if isinstance(common, list) and common else common
@@ -777,11 +910,23 @@ class TorchDistCheckpoint:
         ckpt.common = common
         for st in ckpt.keys.values():
             _check_tiling(folder, st)
+        sizes: dict[str, int] = {}
         for rel in sorted({getattr(si, "relative_path", None) for si in metadata.storage_data.values()}, key=str):
             p = inside(folder, rel, f"{folder / DCP_METADATA}", "data file")
             if not p.is_file():
                 raise CheckpointError(f"{folder}: .metadata names data file {rel}, which is missing")
+            sizes[str(rel)] = p.stat().st_size
+        for idx, si in metadata.storage_data.items():  # every length bounded by its file before any read
+            if si.offset + si.length > sizes[str(si.relative_path)]:
+                raise CheckpointError(f"{folder / DCP_METADATA}: the blob of {str(idx.fqn)[:120]} runs past the end of "
+                                      f"{si.relative_path} ({si.offset} + {si.length} > {sizes[si.relative_path]} bytes)")
         ckpt._sums = _read_sums(folder)
+        if INKLING_KEY in common:  # our own writer's folder: its integrity data is part of it
+            for rel in sorted(sizes):
+                if not any(k[0] == rel for k in ckpt._sums):
+                    raise IntegrityError(f"{folder / (rel + SUMS_SUFFIX)}: missing; inkling-ckpt wrote this folder with "
+                                         "a sha256 file beside each data file, so it cannot be read unverified "
+                                         "(restore the file or convert again)")
         return ckpt
 
     def _blob(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
@@ -791,7 +936,7 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
         path = self.folder / info.relative_path
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 f.seek(info.offset)
                 data = f.read(info.length)
         except OSError as e:
@@ -839,7 +984,7 @@ class TorchDistCheckpoint:
         path = self.folder / info.relative_path
         what = f"{path}: chunk of {key}"
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
                 self._verify(path, info, key)

@@ -34,7 +34,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
-from .paths import check_file_inside, check_name, inside
+from .paths import check_name, copy_new, inside, open_regular, pass_through
 from .staging import DONE_FILE, JOB_FILE, Staging
 
 MANIFEST = "inkling-shard.json"
@@ -91,7 +90,7 @@ class RawHeader:
 def raw_header(path: Path) -> RawHeader:
     """Parse a safetensors header keeping its exact bytes; validated by :func:`read_header` first."""
     read_header(path)  # size, truncation and shape/dtype checks, with one-line errors
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         head = f.read(8)
         (n,) = struct.unpack("<Q", head)
         blob = head + f.read(n)
@@ -130,7 +129,7 @@ def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int | None = N
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while chunk := f.read(_HASH_CHUNK):
             h.update(chunk)
     return h.hexdigest()
@@ -208,13 +207,7 @@ def plan_checkpoint(ckpt: HFCheckpoint, tp: int, ep: int) -> ShardPlan:
 def _source_files(ckpt: HFCheckpoint) -> tuple[list[str], list[str]]:
     """(safetensors shards in use, other top-level files to keep verbatim)."""
     shards = sorted({t.file for t in ckpt.tensors.values()})
-    small = []
-    for p in sorted(ckpt.root.iterdir()):
-        if p.name.startswith(".") or p.name in shards or p.name.endswith(".safetensors"):
-            continue
-        check_file_inside(ckpt.root, p, str(ckpt.root))
-        if p.is_file():
-            small.append(p.name)
+    small = list(pass_through(ckpt.root, skip=lambda rel: rel in shards or rel.endswith(".safetensors")))
     return shards, small
 
 
@@ -266,7 +259,7 @@ def _shard_into(st: Staging, ckpt: HFCheckpoint, plan: ShardPlan, shards: list[s
         (st.path / HEADERS_DIR / f"{f}.header").write_bytes(headers[f].blob)
         source_info[f]["header"] = f"{HEADERS_DIR}/{f}.header"
     for name in small:
-        shutil.copyfile(ckpt.root / name, st.path / SOURCE_DIR / name)
+        copy_new(ckpt.root / name, st.path / SOURCE_DIR / name)
         source_info[name] = {"bytes": (ckpt.root / name).stat().st_size,
                              "sha256": sha256_file(ckpt.root / name)}
     rels = sorted(str(p.relative_to(st.path)) for p in st.path.rglob("*")
@@ -434,7 +427,9 @@ class ShardedCheckpoint:
     def __init__(self, root: Path, manifest: dict[str, Any]):
         self.root = root
         self.manifest = manifest
-        self.config = read_json(root / SOURCE_DIR / "config.json")
+        if "config.json" not in manifest["source"]:  # only files the manifest lists (and hashes) are read
+            raise CheckpointError(f"{root / MANIFEST}: damaged manifest: the source's config.json is not listed")
+        self.config = read_json(inside(root / SOURCE_DIR, "config.json", str(root / MANIFEST), "source file"))
         self.cfg = InklingConfig.from_dict(self.config)
         self.tensors: dict[str, dict[str, Any]] = manifest["tensors"]
         _check_inner(manifest, root / MANIFEST)
@@ -452,7 +447,8 @@ class ShardedCheckpoint:
         if not man_path.is_file():
             raise CheckpointError(f"{root}: no {MANIFEST}; not a sharded checkpoint")
         try:
-            manifest = json.loads(man_path.read_text())
+            with open_regular(man_path, limit=1 << 30) as f:
+                manifest = json.loads(f.read())
         except RecursionError:
             raise CheckpointError(f"{man_path}: cannot read (nested too deeply)") from None
         except (OSError, ValueError) as e:
@@ -723,7 +719,7 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
                         _merge_file(sharded, name, info, st, bar.advance)
                     else:
                         tmp = st.partial(name)
-                        shutil.copyfile(root / SOURCE_DIR / name, tmp)
+                        copy_new(inside(root / SOURCE_DIR, name, str(root / MANIFEST), "source file"), tmp)
                         if sha256_file(tmp) != info["sha256"]:
                             raise IntegrityError(f"{root / SOURCE_DIR / name}: does not match the source's sha256")
                         st.finish(name)
@@ -737,7 +733,8 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
 def _merge_file(sharded: ShardedCheckpoint, name: str, info: dict[str, Any], st: Staging,
                 advance: Callable[[int], None]) -> None:
     header_path = sharded.root / info["header"]
-    blob = header_path.read_bytes()
+    with open_regular(header_path, limit=100 * 2**20 + 8) as f:
+        blob = f.read()
     try:
         (n,) = struct.unpack("<Q", blob[:8])
         entries = json.loads(blob[8:8 + n])

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AdapterError, PlanError
+from ..errors import AdapterError, NonFiniteError, PlanError
 from .buckets import DEFAULT_BUCKET_BYTES, AdapterGroup, Bucket, pack
 from .schema import SCHEMA, ExpertsDown, ExpertsGateUp, Excluded, Linear, ModelDims, Schema, Target
 
@@ -57,11 +57,15 @@ class LoraExport:
             whole, i.e. start at expert 0).
         bucket_bytes: byte budget per bucket (groups are never split).
         cast: accept float32/float16 trainer factors and round them to BF16 (else an error).
+        allow_nonfinite: send factors holding NaN/Inf (else :class:`NonFiniteError`, as the CLI).
+
+    Every factor must hold data (a tensor on the meta device is refused: only :func:`plan` runs
+    the conversion on shapes) and finite values unless ``allow_nonfinite``.
     """
 
     def __init__(self, *, alpha: float, rank: int | None = None, dims: ModelDims | None = None,
                  num_experts: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, cast: bool = False,
-                 schema: Schema = SCHEMA):
+                 schema: Schema = SCHEMA, allow_nonfinite: bool = False):
         if int(bucket_bytes) <= 0:
             raise PlanError(f"bucket_bytes must be positive, got {bucket_bytes}")
         if rank is not None and int(rank) <= 0:
@@ -72,6 +76,8 @@ class LoraExport:
         self.num_experts = num_experts if num_experts is not None else (dims.num_experts if dims else None)
         self.bucket_bytes = int(bucket_bytes)
         self.cast = cast
+        self.allow_nonfinite = allow_nonfinite
+        self._shapes_only = False  # set by plan(): meta tensors stand for the factors' shapes
         self.schema = schema
         self._rank_from: str | None = None
         self.skipped: list[str] = []  # non-adapter names seen (base weights beside the adapters)
@@ -129,7 +135,22 @@ class LoraExport:
 
     # ---- internals ------------------------------------------------------------------------------
 
+    def _data(self, name: str, t: Any) -> torch.Tensor:
+        """The factor itself, refused in one line when it cannot be sent: not a tensor, no data
+        (meta device), or NaN/Inf without ``allow_nonfinite``."""
+        if not isinstance(t, torch.Tensor):
+            raise AdapterError(f"{name}: a {type(t).__name__}, not a tensor")
+        if t.device.type == "meta":
+            if self._shapes_only:
+                return t
+            raise AdapterError(f"{name}: on the meta device (no data to send); materialize the factor first")
+        if not self.allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{name}: holds NaN or Inf; the engine would receive them "
+                                 "(pass allow_nonfinite=True to send them anyway)")
+        return t
+
     def _dtype(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        t = self._data(name, t)
         if t.dtype == ENGINE_DTYPE:
             return t
         if self.cast and t.dtype in (torch.float32, torch.float16):
@@ -290,7 +311,11 @@ def plan(conv: LoraExport, shapes: Iterable[tuple[str, tuple[int, ...], torch.dt
     """Run the whole conversion on shapes only (meta tensors): every structural error surfaces here,
     before any data is read; the groups list the engine names, shapes and the source names."""
     items = [(n, torch.empty(s, dtype=d, device="meta")) for n, s, d in shapes]
-    return list(conv.groups(items))
+    conv._shapes_only = True
+    try:
+        return list(conv.groups(items))
+    finally:
+        conv._shapes_only = False
 
 
 # ---- the export job -------------------------------------------------------------------------
@@ -328,7 +353,7 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
     from .merge import _identity
 
     src_p, dst_p = Path(src), Path(dst)
-    check_dst(dst_p, [src_p])
+    check_dst(dst_p, [src_p, config])  # --config is an input too: OUT must never be or hold the base
     dims = load_dims(config)
     source = TrainerSource.open(src_p, num_layers=dims.num_layers)
     if alpha is None:
@@ -364,7 +389,7 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
             for got in real.groups([(n, source.read(n)) for n in g.sources]):
                 yield from got.tensors
 
-    with Staging(dst_p, job, force) as st:
+    with Staging(dst_p, job, force, inputs=[src_p, config]) as st:
         if st.done:
             res.skipped = True
             return res

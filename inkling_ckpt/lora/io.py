@@ -31,8 +31,11 @@ def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def read_json(path: Path, what: str) -> Any:
+    from ..layouts.paths import open_regular  # never a FIFO or a device: refused, not read
+
     try:
-        return json.loads(path.read_text())
+        with open_regular(path, limit=1 << 30) as f:
+            return json.loads(f.read())
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read {what} ({e.strerror})") from None
     except ValueError:
@@ -80,7 +83,9 @@ class TrainerSource:
             raise CheckpointError(f"{p}: no such file or folder")
         if p.is_file():
             return SafetensorsSource([p])
-        files = sorted(p.glob("*.safetensors"))
+        from ..layouts.paths import inside
+
+        files = [inside(p, f.name, str(p)) for f in sorted(p.glob("*.safetensors"))]
         if files:
             return SafetensorsSource(files)
         return TorchDistSource(p, num_layers)
@@ -208,8 +213,11 @@ class Adapter:
 
     @classmethod
     def open(cls, path: str | Path) -> "Adapter":
+        from ..layouts.paths import inside
+
         root = Path(path)
-        cfg_path, weights = root / CONFIG_FILE, root / WEIGHTS_FILE
+        # inside the folder (no link out), regular files (a FIFO would block): refused in one line
+        cfg_path, weights = inside(root, CONFIG_FILE, str(root)), inside(root, WEIGHTS_FILE, str(root))
         if not cfg_path.is_file() or not weights.is_file():
             raise CheckpointError(f"{root}: not an adapter folder (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
         config = read_json(cfg_path, "adapter config")

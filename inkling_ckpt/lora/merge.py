@@ -15,7 +15,6 @@ destination, one group of shard files finished at a time (resumable), published 
 from __future__ import annotations
 
 import math
-import shutil
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
-from ..layouts.paths import check_dst, inside
+from ..layouts.paths import check_dst, copy_new, inside, open_regular, pass_through
 from ..layouts.pread import TensorFile
 from ..layouts.sharded import raw_header
 from ..layouts.staging import Staging
@@ -275,7 +274,7 @@ class _Merger:
 
     def copy(self, name: str) -> None:
         f, a, b = self.base.span(name)
-        with open(self.base.root / f, "rb") as src:
+        with open_regular(self.base.root / f) as src:
             src.seek(a)
             pos = a
             while pos < b:
@@ -489,7 +488,7 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
 def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dict, force: bool, progress: bool,
                 measure: bool, passthrough_zero: bool, res: MergeResult) -> None:
     unit_of = {n: u for u in units for n in u.writes}
-    with Staging(dst_p, job, force) as st:
+    with Staging(dst_p, job, force, inputs=[b.root, ad.root]) as st:
         if st.done:
             res.skipped = True
             return
@@ -517,15 +516,11 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 for f in files:
                     st.finish(f)
                 res.files += len(files)
+            # config, index, tokenizer, subfolders, …: carried verbatim by the one pass-through rule
+            # (shards, in a subfolder too, were written above)
             shards = set(b.files)
-            for p in sorted(b.root.iterdir()):  # config, index, tokenizer, …: carried verbatim
-                if p.name.startswith(".") or p.name in b.files:
-                    continue
-                if p.is_dir():  # (shards in a subfolder were written above: not copied over)
-                    shutil.copytree(p, st.path / p.name, dirs_exist_ok=True, ignore=lambda d, names: [
-                        n for n in names if (Path(d) / n).relative_to(b.root).as_posix() in shards])
-                elif p.is_file():
-                    shutil.copyfile(p, st.path / p.name)
+            for rel, p in pass_through(b.root, skip=shards.__contains__, subfolders=True).items():
+                copy_new(p, st.path / rel)
         res.bytes = total
 
 

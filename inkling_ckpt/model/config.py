@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
+
+MAX_JSON_BYTES = 1 << 30  # configs, indexes, manifests: far above any real one
 
 FULL = "hybrid"
 SLIDING = "hybrid_sliding"
@@ -245,9 +247,14 @@ class InklingConfig:
 
 def read_json(path: str | Path) -> dict[str, Any]:
     """Read a JSON object, turning every failure into a one-line ConfigError naming the file."""
+    from ..layouts.paths import open_regular  # a FIFO or device named *.json is refused, never read
+
     p = Path(path)
     try:
-        data = json.loads(p.read_bytes())
+        with open_regular(p, limit=MAX_JSON_BYTES) as f:
+            data = json.loads(f.read())
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     except FileNotFoundError:
         raise ConfigError(f"{p}: not found") from None
     except RecursionError:

@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 
 from ..convert.experts import SCALE_POLICIES, ExpertEncoder, ScalePolicy
-from ..errors import CheckpointError, PlanError
+from ..errors import CheckpointError, NonFiniteError, PlanError
 from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.mapping import DEFAULT_PRESET, Entry, MegatronMapping, Preset
@@ -120,6 +120,14 @@ class WeightSync:
         preset: the Megatron key layout (``miles`` default; see ``model.mapping.PRESETS``).
         use_kernels: encode a layer's experts through the fused GPU kernels when they are on
             CUDA (default); False always takes the reference codec path.
+        allow_nonfinite: send NaN/Inf (else :class:`~inkling_ckpt.errors.NonFiniteError`, for
+            every tensor, as the CLI refuses them).
+
+    Every input must hold data (the meta device is refused). Routed experts in float32 or
+    float16 (trainers keep float32 master weights) are taken as BF16 when every value is one
+    exactly, which is lossless: ``keep`` then reproduces the served bytes as for BF16 input.
+    Under ``keep``, float experts BF16 cannot represent are refused (the served bytes come from
+    BF16 weights); under ``fresh`` they are encoded from their own values.
     """
 
     def __init__(self, cfg: InklingConfig, plan: PrecisionPlan, *, scales: ScalePolicy = "fresh", reference=None,
@@ -211,6 +219,7 @@ class WeightSync:
             raise CheckpointError(f"expert_offset {expert_offset} is outside 0..{self.cfg.n_routed_experts - 1}")
         pending: dict[int, _Pending] = {}
         for name, tensor in named_tensors:
+            _check_data(name, tensor)
             key = self.canonical(name)
             hit = self._expert_names.get(key)
             if hit is not None:
@@ -266,8 +275,30 @@ class WeightSync:
             known = self.mapping.keys()
             raise CheckpointError(f"{name}: not a Megatron parameter of Inkling 2 under preset "
                                   f"{self.mapping.preset.name} (known keys look like {known[min(3, len(known) - 1)]})") from None
+        self._finite(name, tensor)
         out = self.mapping.to_hf(key, tensor)
         return LoadGroup([(e.hf, self._checked(e.hf, out))], key)
+
+    def _finite(self, name: str, t: torch.Tensor) -> None:
+        if not self.allow_nonfinite and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{name}: holds NaN or Inf; the engine would receive them "
+                                 "(pass allow_nonfinite=True to send them anyway)")
+
+    def _as_bf16(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Float32/float16 experts as BF16 when that is exact (lossless: same values, so ``keep``
+        reproduces the served bytes); under ``keep`` anything else is refused."""
+        if x.dtype == torch.bfloat16 or not x.is_floating_point():
+            return x
+        y = x.to(torch.bfloat16)
+        back = y.to(x.dtype)
+        exact = bool(((back == x) | (torch.isnan(back) & torch.isnan(x))).all())
+        if exact:
+            return y
+        if self.scales == "keep":
+            raise CheckpointError(f"{key}: {str(x.dtype).removeprefix('torch.')} values that BF16 cannot represent "
+                                  "exactly; scales='keep' reproduces the served bytes from BF16 weights: round "
+                                  "them to BF16 in the trainer, or use scales='fresh'")
+        return x
 
     def _checked(self, name: str, t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         s = self.specs.get(name)
@@ -282,7 +313,8 @@ class WeightSync:
     # ---- experts ----------------------------------------------------------------------------
 
     def _expert_group(self, layer: int, got: _Pending, offset: int) -> LoadGroup:
-        xs = {leaf: self._gathered(layer, leaf, got) for leaf in ("fc1", "fc2")}
+        xs = {leaf: self._as_bf16(self._expert_entries[(layer, leaf)].key, self._gathered(layer, leaf, got))
+              for leaf in ("fc1", "fc2")}
         n = xs["fc1"].shape[0]
         E = self.cfg.n_routed_experts
         if xs["fc2"].shape[0] != n:
@@ -342,3 +374,11 @@ class WeightSync:
             enc = ExpertEncoder(self.plan, scales=self.scales, reference=ref, allow_nonfinite=self.allow_nonfinite)
             self._encoders[str(device)] = enc
         return enc
+
+
+def _check_data(name: str, t: object) -> None:
+    """A trainer tensor that can be sent: a tensor with data (not on the meta device)."""
+    if not isinstance(t, torch.Tensor):
+        raise CheckpointError(f"{name}: a {type(t).__name__}, not a tensor")
+    if t.device.type == "meta":
+        raise CheckpointError(f"{name}: on the meta device (no data to send); materialize it first")

@@ -535,8 +535,11 @@ def plot_report(rep: dict[str, Any], path: str | Path) -> int:
     else:
         ax.text(0.5, 0.5, "every routed expert is bit-exact", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
+    from ..layouts.staging import publish_file
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
     try:
-        fig.savefig(path)
+        publish_file(path, lambda f: fig.savefig(f, format=fmt))  # a fresh file, renamed into place
     except OSError as e:
         from ..errors import OutputError
 
