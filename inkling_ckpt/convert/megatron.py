@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..errors import CheckpointError, InklingError, PlanError
-from ..layouts.hf import DTYPE_TO_ST, HFWriter
+from ..layouts.hf import DEFAULT_MAX_SHARD, DTYPE_TO_ST, HFWriter, reference_sharding
 from ..layouts.megatron import (
     CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
     empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
@@ -43,7 +43,8 @@ from ..layouts.megatron import (
 from ..layouts.staging import Staging
 from ..model.inventory import expert_stacks, inventory, is_vision
 from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES, stored_shape_ok
-from ..model.precision import PrecisionPlan
+from ..formats.stacked import UNQUANTIZED
+from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..progress import ByteProgress
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
@@ -134,11 +135,24 @@ def source_mapping(src: TensorSource, preset: str | Preset = DEFAULT_PRESET) -> 
     return m
 
 
-def _validated_plan(src: TensorSource, preset: str | Preset):
+def check_expert_dtype(src: TensorSource, dtype: str | None) -> None:
+    """Megatron holds routed experts in BF16: a source storing them unquantized in another dtype
+    (F32, F16) needs ``dtype="bf16"`` (--dtype bf16), the explicit permission to round them."""
+    if dtype not in (None, "bf16"):
+        raise PlanError(f"--dtype {dtype}: a Megatron checkpoint holds routed experts in BF16; only --dtype bf16 "
+                        "applies")
+    wide = [i for i, f in enumerate(src.plan.formats) if f in UNQUANTIZED and f != "bf16"]
+    if wide and dtype is None:
+        raise PlanError(f"layer {wide[0]}'s routed experts are {src.plan.format_of(wide[0]).upper()}; a Megatron "
+                        "checkpoint holds them in BF16, which rounds them (no silent casts): pass --dtype bf16")
+
+
+def _validated_plan(src: TensorSource, preset: str | Preset, dtype: str | None = None):
     """Check the source against the mapping and plan its chunks; also the bytes of each unit.
 
     Shared by ``hf_to_megatron`` and its ``--dry-run`` so both validate and size alike.
     """
+    check_expert_dtype(src, dtype)
     m = source_mapping(src, preset)
     chunks, objects, unit_no = plan_megatron(m)
     sizes: dict[str, int] = {}
@@ -155,15 +169,18 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
         e = m.entry(item.key)
         if e.stacked:
             a = item.offsets[0]
-            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite)
+            # BF16: a wider unquantized source was allowed to round by check_expert_dtype
+            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite,
+                             dtype=torch.bfloat16)
             return m.to_megatron(e.key, w)
         return m.to_megatron(e.key, src.get(e.hf))
     return produce
 
 
-def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1) -> dict[str, Any]:
+def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1,
+                            dtype: str | None = None) -> dict[str, Any]:
     """What ``hf-to-megatron`` would write, after validating the source (no output is touched)."""
-    m, chunks, objects, _, sizes = _validated_plan(src, preset)
+    m, chunks, objects, _, sizes = _validated_plan(src, preset, dtype)
     owner = assign_units(sizes, World(0, ranks))
     return {
         "source": str(getattr(src, "root", "source")), "source_precision_plan": str(src.plan), "preset": m.preset.name,
@@ -175,15 +192,19 @@ def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT
 
 
 def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset = DEFAULT_PRESET,
-                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
-    """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
+                   dtype: str | None = None) -> Result:
+    """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun).
+
+    ``dtype="bf16"``: round routed experts the source stores in F32/F16 to BF16 (else refused).
+    """
     world = current_world()
-    m, chunks, objects, unit_no, sizes = _validated_plan(src, preset)
+    m, chunks, objects, unit_no, sizes = _validated_plan(src, preset, dtype)
     owner = assign_units(sizes, world)
     mine = {unit_no[u] for u, r in owner.items() if r == world.rank}
     my_chunks = [c for c in chunks if c.unit in mine]
     my_objects = [o for o in objects if o.unit in mine]
-    job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name}
+    job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     result = Result(Path(dst))
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite)
 
@@ -276,15 +297,21 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[st
     return dtypes
 
 
-def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
+def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset | None,
+                   dtype: str | None = None):
+    from ..layouts.torch_dist_release import check_same_model, mapping_for
+
     reader = TorchDistCheckpoint.open(src)
-    check_reference_config(reader.common, reference.config, str(reader.folder))
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
+    # the model size first, field by field; then any other config difference from the kept copy
+    check_same_model(reader, cfg, str(reader.folder), "reference", str(getattr(reference, "root", "")))
+    check_reference_config(reader.common, reference.config, str(reader.folder))
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
-    m = MegatronMapping(cfg, preset)
+    plan = dense_as(plan, PrecisionPlan.uniform("bf16", cfg.num_hidden_layers), dtype)  # Megatron experts: BF16
+    m = mapping_for(reader, cfg, str(reader.folder), preset)  # None: the recorded or detected preset
     dtypes = check_torch_dist(reader, m)
     vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []
     specs = inventory(cfg, plan, dtypes=dtypes, vision=vision)
@@ -292,9 +319,9 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
 
 
 def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                            preset: str | Preset = DEFAULT_PRESET) -> dict[str, Any]:
+                            preset: str | Preset | None = None, dtype: str | None = None) -> dict[str, Any]:
     """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference."""
-    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset, dtype)
     skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
     return {
         "source": str(reader.folder), "preset": m.preset.name, "tensors_read": len(m.keys()),
@@ -305,27 +332,35 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
 
 
 def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                   scales: ScalePolicy = "keep", preset: str | Preset = DEFAULT_PRESET, max_shard_size: int | str = "5GB",
-                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True) -> Result:
+                   scales: ScalePolicy = "keep", preset: str | Preset | None = None, max_shard_size: int | str | None = None,
+                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
+                   dtype: str | None = None) -> Result:
     """Write the torch_dist checkpoint ``src`` as a release checkpoint at ``dst`` in ``plan``'s formats.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
     default plan and, with ``scales="keep"``, the NVFP4 amax and the bytes of unchanged blocks.
+    ``preset``: the Megatron key layout; None reads it from ``common.pt`` or detects it from the keys.
+    ``max_shard_size`` None: the reference's files and index when the output holds exactly its
+    tensors (an untouched checkpoint comes back file for file), else 5GB shards. ``dtype``: the
+    dtype of the layers the plan leaves unquantized (default the plan's; a rounding cast is refused).
     """
     if current_world().distributed:
         raise PlanError("megatron-to-hf runs in one process; run it without torchrun")
-    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset, dtype)
     cfg = reference.cfg
     encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" else None,
                             allow_nonfinite=allow_nonfinite)
     config = output_config(reference.config, cfg, plan)
+    files = reference_sharding(reference, specs) if max_shard_size is None else None
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
-           "plan": str(plan), "scales": scales, "preset": m.preset.name, "max_shard_size": str(max_shard_size),
+           "plan": str(plan), "scales": scales, "preset": m.preset.name, "dtype": dtype,
+           "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     return write_hf_checkpoint(
         dst, job, specs, config, reference.extra_files(),
         lambda writer, advance: _stream_to_hf(reader, m, reference, writer, encoder, advance),
-        max_shard_size=max_shard_size, force=force, progress=progress, desc="megatron-to-hf",
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, force=force, progress=progress, desc="megatron-to-hf",
+        files=files,
     )
 
 

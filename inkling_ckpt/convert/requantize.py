@@ -17,11 +17,12 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from ..errors import CheckpointError
-from ..layouts.hf import HFWriter, write_extra_files, write_json
+from ..layouts.hf import DEFAULT_MAX_SHARD, HFWriter, reference_sharding, write_extra_files, write_json
 from ..layouts.staging import Staging
 from ..model.config import InklingConfig
+from ..formats.stacked import UNQUANTIZED
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
-from ..model.precision import PrecisionPlan
+from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..progress import ByteProgress
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -75,28 +76,38 @@ def requantize(
     *,
     scales: ScalePolicy = "fresh",
     reference: ScaleSource | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     allow_nonfinite: bool = False,
     force: bool = False,
     progress: bool = True,
     command: str = "requantize",
+    dtype: str | None = None,
 ) -> Result:
-    """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done)."""
+    """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done).
+
+    ``dtype`` (``bf16``, ``f16``, ``f32``): the dtype of the layers ``plan`` leaves unquantized;
+    without it, a layer stored wider than the plan writes it is refused (``model.precision.dense_as``).
+
+    ``max_shard_size`` None: the source's files when the output keeps its tensors, else 5GB shards.
+    """
     cfg = src.cfg
     if len(plan) != cfg.num_hidden_layers:
         raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {cfg.num_hidden_layers}")
-    if scales == "keep" and reference is None and src.plan.used_formats() != ["bf16"]:
+    plan = dense_as(plan, src.plan, dtype)
+    if scales == "keep" and reference is None and not set(src.plan.used_formats()) <= set(UNQUANTIZED):
         reference = src  # a quantized source carries its own scales
     encoder = ExpertEncoder(plan, scales=scales, reference=reference, allow_nonfinite=allow_nonfinite)
     specs = inventory(cfg, plan, dtypes=src.dtypes(), vision=src.vision_specs())
     config = output_config(src.config, cfg, plan)
+    files = reference_sharding(src, specs) if max_shard_size is None else None
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
            "reference": reference.describe() if reference is not None and reference is not src else None,  # type: ignore[attr-defined]
-           "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
+           "max_shard_size": "source" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
+           "allow_nonfinite": allow_nonfinite}
     result = write_hf_checkpoint(
         dst, job, specs, config, src.extra_files(),
         lambda writer, advance: _stream(src, writer, specs, plan, encoder, advance),
-        max_shard_size=max_shard_size, force=force, progress=progress, desc=command,
+        max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, force=force, progress=progress, desc=command, files=files,
     )
     if "nvfp4" in plan.used_formats() and not result.skipped:
         result.notes.append("NVFP4 experts carry no activation scales (none is pinned by the release format): "
@@ -116,11 +127,13 @@ def write_hf_checkpoint(
     force: bool,
     progress: bool,
     desc: str,
+    files: Mapping[str, str] | None = None,
 ) -> Result:
     """Publish an HF checkpoint of ``specs`` at ``dst``: the part every HF-writing converter shares.
 
     ``produce(writer, advance)`` writes the tensors ``writer.needed()`` still asks for (a
-    resumed job skips finished shards). Configs and pass-through files follow; the folder is
+    resumed job skips finished shards). ``files``: tensor → file (a reference's sharding,
+    :func:`~inkling_ckpt.layouts.hf.reference_sharding`) instead of splitting by ``max_shard_size``. Configs and pass-through files follow; the folder is
     published atomically, or skipped when ``dst`` already holds this job.
     """
     result = Result(Path(dst))
@@ -129,7 +142,7 @@ def write_hf_checkpoint(
             result.skipped = True
             return result
         result.resumed = st.resumed
-        writer = HFWriter(st, specs, max_shard_size)
+        writer = HFWriter(st, specs, max_shard_size, files)
         total = sum(s.nbytes for s in specs)
         todo = sum(s.nbytes for s in specs if writer.needed(s.name))
         with ByteProgress(total, desc=desc, enabled=progress, initial=total - todo) as bar:
@@ -160,7 +173,9 @@ def _slice(src: TensorSource, encoder: ExpertEncoder, out: ExpertStack, inp: Exp
            last: int) -> dict[str, torch.Tensor]:
     if out.fmt == inp.fmt:
         return read_parts(src, inp, first, last)  # same format: the stored bytes as they are
-    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite)
+    # Unquantized output: decoded straight to its dtype (one rounding); quantized: from the
+    # source's natural dtype (an F32 source is encoded from its F32 values).
+    x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite, dtype=UNQUANTIZED.get(out.fmt))
     return encoder.encode(out, first, x)
 
 
