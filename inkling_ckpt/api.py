@@ -108,23 +108,24 @@ def _check_keep(plan: "PrecisionPlan", reference: Any, where: str) -> None:
 # ---- HF -> HF re-encoding -----------------------------------------------------------------------
 
 def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str,
-                reference: Any, max_shard_size: int | str, allow_nonfinite: bool, force: bool, dry_run: bool,
-                progress: bool, check_keep_in: str | None, device: str = "auto", slice_mb: int = 64,
-                workers: int = 0) -> dict[str, Any]:
+                reference: Any, max_shard_size: int | str | None, allow_nonfinite: bool, force: bool, dry_run: bool,
+                progress: bool, check_keep_in: str | None, dtype: str | None = None, device: str = "auto",
+                slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
     from .convert.experts import ExpertEncoder
     from .convert.requantize import describe_requantize, requantize
     from .layouts.hf import HFCheckpoint, parse_size
     from .layouts.paths import check_dst
     from .model.inventory import inventory
+    from .model.precision import dense_as
 
     check_dst(dst, [s for s in (src, reference) if isinstance(s, (str, Path))])
     ckpt = src if hasattr(src, "cfg") else HFCheckpoint.open(src)
     ref = HFCheckpoint.open(reference) if isinstance(reference, (str, Path)) else reference
-    p = _plan(plan, ckpt.cfg.num_hidden_layers)
+    p = dense_as(_plan(plan, ckpt.cfg.num_hidden_layers), ckpt.plan, dtype)
     log.info("%s: %s (%s) -> %s (%s), scales %s", command, ckpt.root, ckpt.plan, dst, p, scales)
     if scales == "keep" and check_keep_in is not None:
         _check_keep(p, ref if ref is not None else ckpt, check_keep_in if ref is None else str(reference))
-    size = parse_size(max_shard_size)
+    size = parse_size(max_shard_size) if max_shard_size is not None else None
     if dry_run:
         keep_ref = ref if ref is not None else (ckpt if scales == "keep" else None)
         ExpertEncoder(p, scales=scales, reference=keep_ref, allow_nonfinite=allow_nonfinite)  # type: ignore[arg-type]
@@ -137,15 +138,16 @@ def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionP
                     layers_by_format={f: sum(1 for i in range(len(p)) if p.format_of(i) == f)
                                       for f in p.used_formats()})
     result = requantize(ckpt, dst, p, scales=scales, reference=ref, max_shard_size=size,  # type: ignore[arg-type]
-                        allow_nonfinite=allow_nonfinite, force=force, command=command,
+                        allow_nonfinite=allow_nonfinite, force=force, command=command, dtype=dtype,
                         options=_options(device, slice_mb, workers, progress))
     return _job(command, result, ckpt, precision_plan=str(p), tensors=result.tensors, bytes=result.bytes,
                 notes=list(result.notes), **_figures(result))
 
 
 def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
-             reference: str | Path | None = None, max_shard_size: int | str = "5GB", allow_nonfinite: bool = False,
-             force: bool = False, dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+             reference: str | Path | None = None, max_shard_size: int | str | None = None,
+             allow_nonfinite: bool = False, force: bool = False, dry_run: bool = False, progress: bool = False,
+             dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
     """Quantize routed experts per layer (``plan``: ``0-39:nvfp4,40-47:mxfp8``, ``mxfp8``, …); the rest is copied.
 
     ``scales="keep"`` takes NVFP4 amax (and unchanged blocks' bytes) from ``reference``, or from
@@ -153,35 +155,39 @@ def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, s
     """
     return _requantize("quantize", src, dst, plan, scales=scales, reference=reference,
                        max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,
-                       progress=progress, check_keep_in=str(src), device=device, slice_mb=slice_mb, workers=workers)
+                       progress=progress, check_keep_in=str(src), dtype=dtype, device=device, slice_mb=slice_mb,
+                       workers=workers)
 
 
 def convert_hf_to_hf(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
-                     max_shard_size: int | str = "5GB", allow_nonfinite: bool = False, force: bool = False,
-                     dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                     max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
+                     dry_run: bool = False, progress: bool = False, dtype: str | None = None,
+                     device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
     ``scales="keep"`` keeps SRC's own NVFP4 scales for layers that stay in their format.
     """
     return _requantize("hf-to-hf", src, dst, plan, scales=scales, reference=None, max_shard_size=max_shard_size,
                        allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run, progress=progress,
-                       check_keep_in=str(src), device=device, slice_mb=slice_mb, workers=workers)
+                       check_keep_in=str(src), dtype=dtype, device=device, slice_mb=slice_mb, workers=workers)
 
 
-def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str = "5GB", force: bool = False,
-               dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
-    """Decode every routed expert to BF16 (refused for a source that is BF16 already)."""
+def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str | None = None, force: bool = False,
+               dry_run: bool = False, progress: bool = False, dtype: str | None = None,
+               device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+    """Decode every routed expert to BF16, or ``dtype`` (refused for a source already in it)."""
     from .layouts.hf import HFCheckpoint
     from .layouts.paths import check_dst
     from .model.precision import PrecisionPlan
 
     check_dst(dst, [src])
     ckpt = HFCheckpoint.open(src)
-    if ckpt.plan.variant == "bf16":
-        raise PlanError(f"{src} is already BF16")
-    return _requantize("dequantize", ckpt, dst, PrecisionPlan.uniform("bf16", ckpt.cfg.num_hidden_layers),
+    target = PrecisionPlan.uniform(dtype or "bf16", ckpt.cfg.num_hidden_layers)
+    if target == ckpt.plan:
+        raise PlanError(f"{src} is already {ckpt.plan.variant.upper()}")
+    return _requantize("dequantize", ckpt, dst, target,
                        scales="fresh", reference=None, max_shard_size=max_shard_size, allow_nonfinite=False,
-                       force=force, dry_run=dry_run, progress=progress, check_keep_in=None, device=device,
+                       force=force, dry_run=dry_run, progress=progress, check_keep_in=None, dtype=dtype, device=device,
                        slice_mb=slice_mb, workers=workers)
 
 
@@ -189,7 +195,7 @@ def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str = 
 
 def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "miles", allow_nonfinite: bool = False,
                            force: bool = False, dry_run: bool = False, progress: bool = False,
-                           device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                           dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
     """Write SRC as a Megatron-Core torch_dist checkpoint (collective when the caller runs under torchrun)."""
     import os
 
@@ -203,19 +209,20 @@ def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "m
     log.info("hf-to-megatron: %s (%s) -> %s, preset %s", ckpt.root, ckpt.plan, dst, preset)
     if dry_run:
         info = describe_hf_to_megatron(ckpt, preset=get_preset(preset), ranks=int(os.environ.get("WORLD_SIZE", "1")),
-                                       device=device)
+                                       dtype=dtype, device=device)
         info.pop("source", None)
         return _dry("hf-to-megatron", ckpt, dst, **info)
     result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
-                            options=_options(device, slice_mb, workers, progress))
+                            dtype=dtype, options=_options(device, slice_mb, workers, progress))
     return _job("hf-to-megatron", result, ckpt, preset=get_preset(preset).name, tensors=result.tensors,
                 bytes=result.bytes, notes=list(result.notes), **_figures(result))
 
 
 def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Path, *,
-                           plan: "str | PrecisionPlan | None" = None, scales: str = "keep", preset: str = "miles",
-                           max_shard_size: int | str = "5GB", allow_nonfinite: bool = False, force: bool = False,
-                           dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                           plan: "str | PrecisionPlan | None" = None, scales: str = "keep", preset: str | None = None,
+                           max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
+                           dry_run: bool = False, progress: bool = False, dtype: str | None = None,
+                           device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
     """Bring trained torch_dist weights back to the release layout in the served precision.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
@@ -242,12 +249,15 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
     if dry_run:
         from .pipeline import launched_ranks
 
-        info = describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset), ranks=launched_ranks(), device=device)
+        info = describe_megatron_to_hf(src, ref, plan=p, preset=get_preset(preset) if preset else None, dtype=dtype,
+                                       ranks=launched_ranks(), device=device)
         info.pop("source", None)
         return _dry("megatron-to-hf", src, dst, reference=str(ref.root), scales=scales, notes=notes, **info)
-    result = megatron_to_hf(src, dst, ref, plan=p, scales=scales, preset=get_preset(preset),  # type: ignore[arg-type]
-                            max_shard_size=parse_size(max_shard_size), allow_nonfinite=allow_nonfinite,
-                            force=force, options=_options(device, slice_mb, workers, progress))
+    result = megatron_to_hf(src, dst, ref, plan=p, scales=scales,  # type: ignore[arg-type]
+                            preset=get_preset(preset) if preset else None,
+                            max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
+                            allow_nonfinite=allow_nonfinite, force=force, dtype=dtype,
+                            options=_options(device, slice_mb, workers, progress))
     return _job("megatron-to-hf", result, src, reference=str(ref.root), precision_plan=str(p or ref.plan),
                 tensors=result.tensors, bytes=result.bytes, notes=notes + list(result.notes), **_figures(result))
 
@@ -255,8 +265,13 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
 # ---- TP/EP sharding -----------------------------------------------------------------------------
 
 def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_shard_size: int | str = "5GB",
-          force: bool = False, dry_run: bool = False, progress: bool = False, workers: int = 0) -> dict[str, Any]:
-    """Split an HF checkpoint into one folder per TP rank (experts EP-sliced); ``dry_run`` needs no ``dst``."""
+          force: bool = False, dry_run: bool = False, progress: bool = False, variant: str | None = None,
+          plan: "str | PrecisionPlan | None" = None, workers: int = 0) -> dict[str, Any]:
+    """Split an HF checkpoint into one folder per TP rank (experts EP-sliced); ``dry_run`` needs no ``dst``.
+
+    A dry run also plans from a bare ``config.json`` (a folder holding only one, or a hub repo id:
+    only its config is fetched) as ``variant`` (default mixed) or ``plan``, non-experts BF16.
+    """
     from .layouts import sharded
     from .layouts.hf import HFCheckpoint, parse_size
     from .layouts.limits import MAX_RANKS, check_count
@@ -267,14 +282,30 @@ def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_
     check_count(ep, "--ep", MAX_RANKS)
     if dst is not None:
         check_dst(dst, [src])
+    if not dry_run and (variant is not None or plan is not None):
+        raise PlanError("--variant/--plan plan a bare config.json with --dry-run; a checkpoint is split as it is stored")
     if dry_run:
-        ckpt = HFCheckpoint.open(src)
-        plan = sharded.plan_checkpoint(ckpt, tp, ep)
+        from .layouts.hf import fetch_config
+        from .layouts.hub import split_repo_id
+
+        where: Any = src
+        if not Path(src).exists() and split_repo_id(str(src)) is not None:
+            where = fetch_config(str(src))  # planning before a download: the config alone
+        if Path(where).is_file() or _holds_weights(Path(where)) is None:
+            cfg, prec, specs, _, note = _memory_inputs(where, variant if plan is not None else variant or "mixed",
+                                                       plan, None, None)
+            note = note.split(";")[0]  # shard has no --embed-dtype
+        else:
+            if variant is not None or plan is not None:
+                raise PlanError(f"{src} holds weights: its precision plan is read from it (drop --variant/--plan)")
+            ckpt = HFCheckpoint.open(src)
+            cfg, prec, specs, note = ckpt.cfg, ckpt.plan, ckpt.expected(), "as stored (from the headers)"
+        splan = sharded.ShardPlan.build(cfg, prec, tp, ep, specs)
         by_cat = dict.fromkeys(CATEGORIES, 0)
-        for s in ckpt.expected():
+        for s in specs:
             by_cat[s.category.value] += s.nbytes
-        return _dry("shard", ckpt, dst, variant=ckpt.plan.variant, precision_plan=str(ckpt.plan),
-                    **sharded.describe_plan(plan), ranks=rank_memory(plan), checkpoint_bytes=sum(by_cat.values()),
+        return _dry("shard", src, dst, variant=prec.variant, precision_plan=str(prec), dtypes=note,
+                    **sharded.describe_plan(splan), ranks=rank_memory(splan), checkpoint_bytes=sum(by_cat.values()),
                     checkpoint_bytes_by_category=by_cat)
     if dst is None:
         raise PlanError("shard needs DST (or dry_run)")

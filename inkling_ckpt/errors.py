@@ -14,7 +14,20 @@ class FormatError(InklingError):
 
 
 class NonFiniteError(FormatError):
-    """NaN or Inf in a tensor being quantized (pass ``allow_nonfinite`` to keep them)."""
+    """NaN or Inf in a tensor being quantized (pass ``allow_nonfinite`` to keep them).
+
+    ``detail`` says what is wrong; ``hint`` (may be empty) how a writing command gets past it.
+    Commands without that option re-raise ``detail`` with a hint of their own (``with_hint``).
+    """
+
+    def __init__(self, detail: str, hint: str = "") -> None:
+        super().__init__(f"{detail}; {hint}" if hint else detail)
+        self.detail = detail
+        self.hint = hint
+
+    def with_hint(self, hint: str) -> NonFiniteError:
+        """The same error with another hint (or none)."""
+        return NonFiniteError(self.detail, hint)
 
 
 class PlanError(InklingError):

@@ -1484,3 +1484,64 @@ def test_every_writing_command_declares_its_paths():
     undeclared = sorted(name for name, cb in writers.items()
                         if not any(p in getattr(cb, "declared", ((), ()))[1] for p in ("dst", "out", "plot")))
     assert undeclared == []
+
+
+# ---- one line, and the right one (issue 15, class 8) ------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["org/na\nme", "org/name\r", "\x1b[31morg/name", "org/\x07name", "org/na\u0085me"])
+def test_control_characters_in_a_source_name_stay_on_one_line(tmp_path, cli, name):
+    code, out, err = cli("inspect", name)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err
+    assert len(lines) == 1 and "\x1b" not in err and "\x07" not in err, repr(err)
+    escaped = "".join(repr(c)[1:-1] if (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else c for c in name)
+    assert escaped in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("failure", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
+def test_unsupported_flock_says_so_not_another_run(tmp_path, cli, monkeypatch, failure):
+    import errno
+
+    from inkling_ckpt.layouts import staging
+
+    real = staging.fcntl.flock
+
+    def flock(fd, op):
+        if op & staging.fcntl.LOCK_EX:
+            raise OSError(getattr(errno, failure), os.strerror(getattr(errno, failure)))
+        return real(fd, op)
+
+    monkeypatch.setattr(staging.fcntl, "flock", flock)
+    dst = tmp_path / "out"
+    code, out, err = cli("quantize", BF16, dst, "--plan", "mxfp8", "-q")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err and len(lines) == 1, err
+    assert "may not support flock" in lines[0] and "another run" not in lines[0], lines[0]
+    assert not dst.exists() and not list(tmp_path.glob(".out.inkling-*"))
+
+
+def _poison_scale(src: Path, layer: int, byte: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    name = f"model.llm.layers.{layer}.mlp.experts.w13_weight_scale"
+    shard = src / index_of(src)["weight_map"][name]
+    with open(shard, "rb") as f:
+        meta = json.loads(f.read(int.from_bytes(f.read(8), "little"))).get("__metadata__")
+    tensors = load_file(str(shard))
+    u8 = tensors[name].view(torch.uint8).clone()
+    u8.view(-1)[3] = byte
+    tensors[name] = u8.view(tensors[name].dtype)
+    save_file(tensors, str(shard), metadata=meta)
+
+
+@pytest.mark.parametrize("layer,byte", [(0, 0xF8), (0, 0x7F), (3, 0xFF)])  # NVFP4 negative / NaN, MXFP8 NaN
+def test_verify_forward_on_a_bad_block_scale_names_no_option_verify_lacks(tmp_path, cli, layer, byte):
+    pytest.importorskip("transformers")
+    src = copy(FIXTURES / "tiny-mixed", tmp_path / "src")
+    _poison_scale(src, layer, byte)
+    code, out, err = cli("verify", src, src, "--forward", "--random", "4", "-q")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and "Traceback" not in err and len(lines) == 1, err
+    assert "--allow-nonfinite" not in lines[0] and "without --forward" in lines[0], lines[0]
+    assert f"layers.{layer}.mlp.experts.w13_weight_scale" in lines[0], lines[0]

@@ -157,8 +157,10 @@ def test_bridge_preset_round_trips(tmp_path):
     assert "decoder.final_norm.weight" in ckpt.keys
     megatron_to_hf(tmp_path / "mg", tmp_path / "back", ref, preset="bridge", progress=False)
     assert _differing(TINY["mixed"], tmp_path / "back") == []
-    with pytest.raises(CheckpointError, match="no preset miles rule uses"):
-        megatron_to_hf(tmp_path / "mg", tmp_path / "wrong", ref, progress=False)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "auto", ref, progress=False)  # the preset recorded in common.pt
+    assert _differing(TINY["mixed"], tmp_path / "auto") == []
+    with pytest.raises(CheckpointError, match="no preset miles rule uses .*; its keys follow preset bridge"):
+        megatron_to_hf(tmp_path / "mg", tmp_path / "wrong", ref, preset="miles", progress=False)
 
 
 def test_plan_change_on_the_way_back(cli, tmp_path, megatron):
@@ -367,10 +369,10 @@ def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     # a reference of another model: its config differs from the one the folder keeps (named fields)
     two = _reference(tmp_path, "two", layers=2)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", two,
-           match="differ in layer_types, num_hidden_layers")
+           match="describes another model than this checkpoint: reference: 2 layers; checkpoint: 4 layers")
     e4 = _reference(tmp_path, "e4", experts=4)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", megatron["mixed"], dst, "--reference", e4,
-           match="n_routed_experts")
+           match="reference: 4 experts; checkpoint: 8 experts")
     # a folder that keeps no config: the tensors themselves are checked against the reference
     bare = _copy(megatron["mixed"], tmp_path / "bare")
     common = torch.load(bare / "release" / "common.pt", weights_only=True)
@@ -379,9 +381,9 @@ def test_bad_torch_dist_inputs(cli, tmp_path, megatron):
     for p in (bare / "release").glob("*.sha256"):
         p.unlink()  # (a foreign folder has no sidecars either)
     _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", two,
-           match="no preset miles rule uses decoder.layers.2.")
+           match="reference: 2 layers; checkpoint: 4 layers")
     _fails(cli, tmp_path, "convert", "megatron-to-hf", bare, dst, "--reference", e4,
-           match="decoder.layers.0.mlp.router.weight is [8, 256]")
+           match="reference: 4 experts; checkpoint: 8 experts")
 
 
 class _Opaque:

@@ -55,15 +55,17 @@ def test_mixed_vs_bf16_sqnr_per_format(mixed_vs_bf16):
 def test_report_schema(mixed_vs_bf16):
     rep = mixed_vs_bf16
     assert rep["schema"] == SCHEMA
-    assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared"}
+    assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared",
+                        "rounding"}
     assert rep["not_compared"] == {"only_a": [], "only_b": []}
     assert set(rep["a"]) == {"source", "layout", "variant", "precision_plan"}
-    stats = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs", "rel_rmse", "sqnr_db"}
+    stats = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs", "rel_rmse",
+             "sqnr_db"}
     assert all(set(v) == stats for v in rep["formats"].values())
     assert all(set(r) == stats | {"layer", "format"} for r in rep["layers"])
-    assert all(set(t) == stats | {"name", "format", "layer"} for t in rep["tensors"])
-    assert set(rep["summary"]) == {"tensors", "bit_exact_tensors", "elements", "exact_elements", "exact_fraction",
-                                   "min_sqnr_db", "max_abs"}
+    assert all(set(t) == stats | {"name", "format", "layer", "verdict", "rounding"} for t in rep["tensors"])
+    assert set(rep["summary"]) == {"tensors", "bit_exact_tensors", "rounding_tensors", "mismatch_tensors", "elements",
+                                   "exact_elements", "exact_fraction", "min_sqnr_db", "max_abs"}
     json.dumps(rep, allow_nan=False)  # strict JSON: no Infinity/NaN
 
 

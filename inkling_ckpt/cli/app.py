@@ -78,6 +78,12 @@ def _register() -> None:
     from . import lora  # noqa: F401
 
 
+def one_line(text: str) -> str:
+    """``text`` with every control character escaped as ``repr`` shows it: a name read from a
+    stranger's file or argument (a newline in a hub id, an ANSI escape) never splits or paints the line."""
+    return "".join(repr(c)[1:-1] if (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else c for c in text)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     _register()
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     except InklingError as e:
         if verbosity() >= 2:
             traceback.print_exc()
-        print(f"inkling-ckpt: error: {e}", file=sys.stderr)
+        print(f"inkling-ckpt: error: {one_line(str(e))}", file=sys.stderr)
         sys.exit(e.exit_code)
     except typer.TyperException as e:  # a usage error: unknown option, bad choice, missing argument
         if type(e).__name__ == "NoArgsIsHelpError":  # a bare group (`inkling-ckpt convert`): its help
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             message = " ".join(e.format_message().replace("Value error, ", "").split())
             ctx = getattr(e, "ctx", None)
             where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-            print(f"inkling-ckpt: error: {message.rstrip('.')}{where}", file=sys.stderr)
+            print(f"inkling-ckpt: error: {one_line(message.rstrip('.'))}{where}", file=sys.stderr)
         sys.exit(getattr(e, "exit_code", 2))
     except (KeyboardInterrupt, typer.Abort):
         print("inkling-ckpt: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -9,8 +9,9 @@ from typing import Any, Optional
 import typer
 
 from .app import app, declares
-from .options import (CONFIG, DEVICE, DRY_RUN, FORCE, JSON, NONFINITE, PLAN_HELP, QUIET, REVISION, SHARD_SIZE, SLICE_MB,
-                      TOKEN, VERBOSE, WORKERS, Scales, Size, Variant, emit, hub, joined, render_job, setup)
+from .options import (CONFIG, DEVICE, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, QUIET, REVISION,
+                      SLICE_MB, TOKEN, VERBOSE, WORKERS, DenseDtype, Scales, Size, Variant, emit, hub,
+                      joined, render_job, setup)
 
 
 def report(rep: dict[str, Any], as_json: bool) -> None:
@@ -101,7 +102,8 @@ def quantize(
                                        "unchanged blocks) from --reference, or from SRC when it is quantized."),
     reference: Optional[str] = typer.Option(None, "--reference", metavar="REF",
                                             help="Quantized checkpoint to keep scales from (--scales keep)."),
-    max_shard_size: str = SHARD_SIZE,
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
     allow_nonfinite: bool = NONFINITE,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
@@ -126,7 +128,8 @@ def quantize(
     with hub(revision, token), joined(dry_run):
         report(api.quantize(src, dst, plan, scales=scales.value, reference=reference, max_shard_size=max_shard_size,
                             allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run, progress=not quiet,
-                            device=device, slice_mb=slice_mb, workers=workers), as_json)
+                            dtype=dtype.value if dtype else None, device=device, slice_mb=slice_mb,
+                            workers=workers), as_json)
 
 
 @app.command("dequantize")
@@ -134,7 +137,8 @@ def quantize(
 def dequantize(
     src: str = typer.Argument(..., metavar="SRC", help="Quantized HF checkpoint."),
     dst: Path = typer.Argument(..., metavar="DST", help="Destination folder for the BF16 checkpoint."),
-    max_shard_size: str = SHARD_SIZE,
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
     dry_run: bool = DRY_RUN,
@@ -152,4 +156,5 @@ def dequantize(
 
     with hub(revision, token), joined(dry_run):
         report(api.dequantize(src, dst, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
-                              progress=not quiet, device=device, slice_mb=slice_mb, workers=workers), as_json)
+                              progress=not quiet, dtype=dtype.value if dtype else None, device=device,
+                              slice_mb=slice_mb, workers=workers), as_json)

@@ -10,8 +10,8 @@ import typer
 
 from .app import app, declares
 from .checkpoint import report
-from .options import (DEVICE, SLICE_MB, WORKERS, joined, DRY_RUN, FORCE, JSON, NONFINITE, PLAN_HELP, PRESET, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE,
-                      Preset, Scales, hub, setup)
+from .options import (DEVICE, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, PRESET, QUIET, READ_PRESET,
+                      REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, DenseDtype, Preset, Scales, hub, joined, setup)
 
 convert_app = typer.Typer(
     name="convert",
@@ -44,6 +44,10 @@ def _steady_memory() -> None:
         pass
 
 
+def _dt(dtype: "DenseDtype | None") -> str | None:
+    return None if dtype is None else dtype.value
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -56,6 +60,8 @@ def hf_to_megatron_cmd(
     dst: Path = typer.Argument(..., metavar="DST", help="Megatron save folder to create (holds "
                                                         "latest_checkpointed_iteration.txt and release/)."),
     preset: Preset = PRESET,
+    dtype: Optional[DenseDtype] = typer.Option(None, "--dtype", help="bf16: round routed experts SRC stores in F32 or "
+                                               "F16 to BF16, as Megatron holds them (refused without it)."),
     allow_nonfinite: bool = NONFINITE,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
@@ -81,13 +87,14 @@ def hf_to_megatron_cmd(
 
     with hub(revision, token):
         if dry_run:
-            rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, dry_run=True, device=device)
+            rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, dry_run=True, dtype=_dt(dtype),
+                                             device=device)
         else:
             _steady_memory()
             with joined():
                 rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, allow_nonfinite=allow_nonfinite,
-                                                 force=force, progress=not quiet and _rank() == 0, device=device,
-                                                 slice_mb=slice_mb, workers=workers)
+                                                 force=force, progress=not quiet and _rank() == 0, dtype=_dt(dtype),
+                                                 device=device, slice_mb=slice_mb, workers=workers)
     if _rank() == 0:
         report(rep, as_json)
 
@@ -107,8 +114,9 @@ def megatron_to_hf_cmd(
                                        "for unchanged blocks (an untouched checkpoint comes back byte for byte); "
                                        "fresh: every scale from the weights. Where the reference holds no layer in "
                                        "the plan's format there is nothing to keep: the report says so."),
-    preset: Preset = PRESET,
-    max_shard_size: str = SHARD_SIZE,
+    preset: Optional[Preset] = READ_PRESET,
+    dtype: Optional[DenseDtype] = DTYPE,
+    max_shard_size: Optional[str] = KEEP_SHARDS,
     allow_nonfinite: bool = NONFINITE,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
@@ -133,10 +141,11 @@ def megatron_to_hf_cmd(
     if not dry_run:
         _steady_memory()
     with hub(revision, token), joined(dry_run):
-        report(api.convert_megatron_to_hf(src, dst, reference, plan=plan, scales=scales.value, preset=preset.value,
+        report(api.convert_megatron_to_hf(src, dst, reference, plan=plan, scales=scales.value,
+                                          preset=preset.value if preset else None,
                                           max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite, force=force,
-                                          dry_run=dry_run, progress=not quiet, device=device, slice_mb=slice_mb,
-                                          workers=workers), as_json)
+                                          dry_run=dry_run, progress=not quiet, dtype=_dt(dtype), device=device,
+                                          slice_mb=slice_mb, workers=workers), as_json)
 
 
 @convert_app.command("hf-to-hf")
@@ -149,7 +158,8 @@ def hf_to_hf_cmd(
                                   help="fresh: every scale from the weights; keep: layers SRC already stores in "
                                        "their target format keep SRC's NVFP4 amax and the bytes of unchanged blocks "
                                        "(refused when SRC stores no layer in its target format)."),
-    max_shard_size: str = SHARD_SIZE,
+    max_shard_size: Optional[str] = KEEP_SHARDS,
+    dtype: Optional[DenseDtype] = DTYPE,
     allow_nonfinite: bool = NONFINITE,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
@@ -176,4 +186,5 @@ def hf_to_hf_cmd(
     with hub(revision, token), joined(dry_run):
         report(api.convert_hf_to_hf(src, dst, plan, scales=scales.value, max_shard_size=max_shard_size,
                                     allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,
-                                    progress=not quiet, device=device, slice_mb=slice_mb, workers=workers), as_json)
+                                    progress=not quiet, dtype=_dt(dtype), device=device, slice_mb=slice_mb,
+                                    workers=workers), as_json)

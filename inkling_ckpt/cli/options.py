@@ -37,6 +37,14 @@ class Size(str, Enum):
     wide = "wide"
 
 
+class DenseDtype(str, Enum):
+    """= ``formats.stacked.UNQUANTIZED``: routed experts stored unquantized."""
+
+    bf16 = "bf16"
+    f16 = "f16"
+    f32 = "f32"
+
+
 class Preset(str, Enum):
     """= ``model.mapping.PRESETS`` (a test keeps them equal)."""
 
@@ -73,6 +81,13 @@ DRY_RUN = typer.Option(False, "--dry-run", help="Validate the input and report w
                                                  "(no output folder, no staging folder).")
 SHARD_SIZE = typer.Option("5GB", "--max-shard-size", metavar="SIZE",
                           help="Largest safetensors file, e.g. 5GB, 500MB, 2MiB.")
+#: For commands writing an HF checkpoint from another one: by default the source's files are kept.
+KEEP_SHARDS = typer.Option(None, "--max-shard-size", metavar="SIZE",
+                           help="Largest safetensors file, e.g. 5GB, 500MB, 2MiB. Default: the files and index of the "
+                                "checkpoint whose tensors the output holds exactly (source or reference), else 5GB.")
+DTYPE = typer.Option(None, "--dtype", help="Dtype of the routed experts the output holds unquantized. Default: their "
+                     "stored dtype where the source holds them unquantized (a cast that would round them, F32 -> BF16, "
+                     "is refused and names this option), else BF16.")
 NONFINITE = typer.Option(False, "--allow-nonfinite", help="Quantize NaN/Inf as the references do instead of failing.")
 CONFIG = typer.Option(None, "--config", metavar="CONFIG",
                       help="For a torch_dist folder not written by inkling-ckpt (whose common.pt keeps no copy): the "
@@ -92,6 +107,9 @@ SLICE_MB = typer.Option(64, "--slice-mb", min=1, metavar="MIB",
                              "shrink it when the GPU runs out of memory.")
 WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
                        help="Units transformed at once (0: up to 4 on the CPU, 2 on a GPU).")
+READ_PRESET = typer.Option(None, "--preset",
+                           help="Megatron key layout of SRC: miles or bridge. Default: the one SRC records (inkling-ckpt "
+                                "writes it into common.pt), else the one whose keys SRC holds.")
 PLAN_HELP = "Per-layer expert formats: FIRST-LAST:FORMAT rules (0-39:nvfp4,40-47:mxfp8) or one format (mxfp8, bf16)."
 
 

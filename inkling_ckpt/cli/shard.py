@@ -9,8 +9,8 @@ from typing import Any, Optional
 import typer
 
 from .app import app, declares
-from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, WORKERS, emit, figures, hub,
-                      joined, render_job, setup)
+from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, WORKERS, Variant, emit, figures,
+                      hub, joined, render_job, setup)
 
 _HELP = "\n\n".join([
     'Split an HF checkpoint into one folder per TP rank for --tp N --ep M.',
@@ -38,6 +38,10 @@ def shard_cmd(
                                                                      "ranks)."),
     ep: int = typer.Option(1, "--ep", metavar="N", help="Expert-parallel ranks; must divide --tp and the expert count."),
     merge_: bool = typer.Option(False, "--merge", help="Reassemble the sharded folder SRC into DST instead."),
+    variant: Optional[Variant] = typer.Option(None, "--variant", help="With --dry-run on a bare config: which released "
+                                              "variant to plan (default mixed = layers 0-39 NVFP4, 40-47 MXFP8)."),
+    plan_text: Optional[str] = typer.Option(None, "--plan", metavar="PLAN", help="With --dry-run on a bare config: "
+                                            "an explicit precision plan instead of --variant."),
     max_shard_size: str = SHARD_SIZE,
     workers: int = WORKERS,
     revision: Optional[str] = REVISION,
@@ -68,7 +72,7 @@ def shard_cmd(
         raise PlanError("DST is required (or pass --dry-run)")
     with hub(revision, token), joined(dry_run):
         rep = api.shard(src, dst, tp=tp, ep=ep, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
-                        progress=not quiet, workers=workers)
+                        progress=not quiet, variant=variant.value if variant else None, plan=plan_text, workers=workers)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
         emit(rep, as_json, _render_dry_run if dry_run else _render_shard)
 
@@ -98,7 +102,7 @@ def _render_dry_run(rep: dict[str, Any]) -> str:
 
     p = rep["parallel_plan"]
     lines = [f"{rep['source']}: {rep['variant']} ({rep['precision_plan']}); tp {p['tp']}, ep {p['ep']}, "
-             f"moe_tp {p['moe_tp']}", "", "experts:"]
+             f"moe_tp {p['moe_tp']}", f"dtypes {rep.get('dtypes', 'as stored')}", "", "experts:"]
     for e, v in rep["experts"].items():
         lines.append(f"  EP rank {e}: experts {v['experts'][0]}-{v['experts'][1] - 1} on ranks {v['ranks']}")
     lines += ["", "split rules:"]

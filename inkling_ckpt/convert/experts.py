@@ -15,7 +15,7 @@ import torch
 
 from ..errors import PlanError
 from ..formats import get_format
-from ..formats.stacked import AMAX, SCALE, WEIGHT, decode_stacked, encode_stacked
+from ..formats.stacked import AMAX, SCALE, UNQUANTIZED, WEIGHT, decode_stacked, encode_stacked, natural_dtype
 from ..model.inventory import ExpertStack
 from ..model.precision import PrecisionPlan
 
@@ -41,13 +41,19 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int) -> d
 
 
 def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
-                 allow_nonfinite: bool = False, device: torch.device | str | None = None) -> torch.Tensor:
-    """Experts ``first:last`` of a stored stacked weight as BF16 [n, rows, cols], decoded on ``device``
-    (default: where the parts are read, the CPU); the result stays there."""
+                 allow_nonfinite: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """Experts ``first:last`` of a stored stacked weight [n, rows, cols], decoded to ``dtype`` on ``device``.
+
+    Default dtype: the format's natural dtype (BF16 for quantized formats, the stored dtype for
+    unquantized ones), so nothing is narrowed unless the caller asks for it. Default device: where
+    the parts are read (the CPU); the result stays there.
+    """
     parts = read_parts(src, stack, first, last)
     if device is not None and torch.device(device).type != "cpu":
         parts = {k: v.to(device) for k, v in parts.items()}
-    return decode_stacked(stack.fmt, parts, torch.bfloat16, name=stack.name, allow_nonfinite=allow_nonfinite)
+    return decode_stacked(stack.fmt, parts, dtype or natural_dtype(stack.fmt), name=stack.name,
+                          allow_nonfinite=allow_nonfinite)
 
 
 class ExpertEncoder:
@@ -79,7 +85,9 @@ class ExpertEncoder:
         self._mx = get_format("mxfp8", **dict(mxfp8_options or {}))
 
     def encode(self, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """BF16 experts ``first:first+n`` of ``stack`` ([n, rows, cols]) → its stored parts (suffix → tensor).
+        """Experts ``first:first+n`` of ``stack`` ([n, rows, cols]; BF16, or a source's F32/F16) → its stored
+        parts (suffix → tensor). Quantized formats encode the values as given (float32 input: ModelOpt's bytes
+        on those values); unquantized ones are written in their dtype.
 
         Runs where ``x`` is (the parts come back on that device). NVFP4's scalar ``_outer_scale_denominator`` is included (the same for every slice).
         """
@@ -87,7 +95,11 @@ class ExpertEncoder:
         last = first + x.shape[0]
         ref = self.reference if (self.scales == "keep" and self.reference is not None
                                  and self.reference.plan.format_of(stack.layer) == fmt) else None
-        ref_parts = read_parts(ref, stack, first, last) if ref is not None and fmt != "bf16" else None
+        if fmt in UNQUANTIZED:
+            # The plan was resolved against the source (model.precision.dense_as): a cast that
+            # rounds was asked for with --dtype; any other is exact (BF16 -> F32).
+            return encode_stacked(fmt, x.to(UNQUANTIZED[fmt]), name=stack.name, allow_nonfinite=self.allow_nonfinite)
+        ref_parts = read_parts(ref, stack, first, last) if ref is not None else None
         if ref_parts is not None and x.device.type != "cpu":
             ref_parts = {k: v.to(x.device) for k, v in ref_parts.items()}
         amax = ref_parts[AMAX] if ref_parts is not None and fmt == "nvfp4" else None

@@ -38,10 +38,12 @@ from ..layouts.megatron import (
     CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
     empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
 )
-from ..layouts.torch_dist_release import check_torch_dist
+from ..formats.stacked import UNQUANTIZED
+from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
+from ..layouts.torch_dist_release import check_same_model, check_torch_dist, mapping_for
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory, is_vision
 from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES
-from ..model.precision import PrecisionPlan
+from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
     Executor, Options, Result, Stage, Unit, World, assign, current_world, dense_units, device_kind, estimate,
@@ -84,11 +86,24 @@ def source_mapping(src: TensorSource, preset: str | Preset = DEFAULT_PRESET) -> 
     return m
 
 
-def _validated_plan(src: TensorSource, preset: str | Preset):
+def check_expert_dtype(src: TensorSource, dtype: str | None) -> None:
+    """Megatron holds routed experts in BF16: a source storing them unquantized in another dtype
+    (F32, F16) needs ``dtype="bf16"`` (--dtype bf16), the explicit permission to round them."""
+    if dtype not in (None, "bf16"):
+        raise PlanError(f"--dtype {dtype}: a Megatron checkpoint holds routed experts in BF16; only --dtype bf16 "
+                        "applies")
+    wide = [i for i, f in enumerate(src.plan.formats) if f in UNQUANTIZED and f != "bf16"]
+    if wide and dtype is None:
+        raise PlanError(f"layer {wide[0]}'s routed experts are {src.plan.format_of(wide[0]).upper()}; a Megatron "
+                        "checkpoint holds them in BF16, which rounds them (no silent casts): pass --dtype bf16")
+
+
+def _validated_plan(src: TensorSource, preset: str | Preset, dtype: str | None = None):
     """Check the source against the mapping and plan its chunks; also the bytes of each unit.
 
     Shared by ``hf_to_megatron`` and its ``--dry-run`` so both validate and size alike.
     """
+    check_expert_dtype(src, dtype)
     m = source_mapping(src, preset)
     chunks, objects, unit_no = plan_megatron(m)
     sizes: dict[str, int] = {}
@@ -106,17 +121,19 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
         e = m.entry(item.key)
         if e.stacked:
             a = item.offsets[0]
-            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite, device=device)
+            # BF16: a wider unquantized source was allowed to round by check_expert_dtype
+            w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite,
+                             dtype=torch.bfloat16, device=device)
             return m.to_megatron(e.key, w).to("cpu")
         return m.to_megatron(e.key, src.get(e.hf))
     return produce
 
 
 def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT_PRESET, ranks: int = 1,
-                            device: str = "auto") -> dict[str, Any]:
+                            device: str = "auto", dtype: str | None = None) -> dict[str, Any]:
     """What ``hf-to-megatron`` would write, after validating the source (no output is touched),
     and how long it should take here (``estimate``: the bytes at this machine's measured rate)."""
-    m, chunks, objects, _, sizes = _validated_plan(src, preset)
+    m, chunks, objects, _, sizes = _validated_plan(src, preset, dtype)
     owner = assign(sizes, ranks)
     read = sum(_unit_read_bytes(src, m).values())
     return {
@@ -143,19 +160,22 @@ def _unit_read_bytes(src: TensorSource, m: MegatronMapping) -> dict[int, int]:
 
 def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset = DEFAULT_PRESET,
                    allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
-                   options: Options | None = None) -> Result:
-    """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun)."""
+                   dtype: str | None = None, options: Options | None = None) -> Result:
+    """Write ``src`` as a Megatron-Core torch_dist checkpoint at ``dst`` (collective under torchrun).
+
+    ``dtype="bf16"``: round routed experts the source stores in F32/F16 to BF16 (else refused).
+    """
     t0 = time.perf_counter()
     world = current_world()
     ex = Executor(options or Options(progress=progress), desc="hf-to-megatron", world=world)
-    m, chunks, objects, unit_no, sizes = _validated_plan(src, preset)
+    m, chunks, objects, unit_no, sizes = _validated_plan(src, preset, dtype)
     owner = assign(sizes, world.size)
     mine = {unit_no[u] for u, r in owner.items() if r == world.rank}
     my_chunks = [c for c in chunks if c.unit in mine]
     my_objects = [o for o in objects if o.unit in mine]
     read_of = _unit_read_bytes(src, m)
     unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
-    job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name}
+    job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     layers = src.cfg.num_hidden_layers
@@ -207,15 +227,19 @@ def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:
 # ---- megatron-to-hf -----------------------------------------------------------------------------
 
 
-def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset):
+def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan | None, preset: str | Preset | None,
+                   dtype: str | None = None):
     reader = TorchDistCheckpoint.open(src)
-    check_reference_config(reader.common, reference.config, str(reader.folder))
     cfg = reference.cfg
     reader.unstack_layers(cfg.num_hidden_layers)
+    # the model size first, field by field; then any other config difference from the kept copy
+    check_same_model(reader, cfg, str(reader.folder), "reference", str(getattr(reference, "root", "")))
+    check_reference_config(reader.common, reference.config, str(reader.folder))
     plan = plan or reference.plan
     if len(plan) != cfg.num_hidden_layers:
         raise PlanError(f"the precision plan covers {len(plan)} layers, but the reference has {cfg.num_hidden_layers}")
-    m = MegatronMapping(cfg, preset)
+    plan = dense_as(plan, PrecisionPlan.uniform("bf16", cfg.num_hidden_layers), dtype)  # Megatron experts: BF16
+    m = mapping_for(reader, cfg, str(reader.folder), preset)  # None: the recorded or detected preset
     dtypes = check_torch_dist(reader, m)
     vision = reference.vision_specs() if hasattr(reference, "vision_specs") else []
     specs = inventory(cfg, plan, dtypes=dtypes, vision=vision)
@@ -223,10 +247,11 @@ def _open_megatron(src: str | Path, reference: TensorSource, plan: PrecisionPlan
 
 
 def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                            preset: str | Preset = DEFAULT_PRESET, ranks: int = 1, device: str = "auto") -> dict[str, Any]:
+                            preset: str | Preset | None = None, ranks: int = 1, device: str = "auto",
+                            dtype: str | None = None) -> dict[str, Any]:
     """What ``megatron-to-hf`` would write, after validating the checkpoint against the reference,
     and how long it should take here (``estimate``)."""
-    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset, dtype)
     skipped = sorted(k for k in reader.keys if k.startswith(SKIPPED_PREFIXES))
     return {
         "estimate": estimate("megatron-to-hf", reader.data_bytes(), sum(s.nbytes for s in specs), device_kind(device),
@@ -239,27 +264,34 @@ def describe_megatron_to_hf(src: str | Path, reference: TensorSource, *, plan: P
 
 
 def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *, plan: PrecisionPlan | None = None,
-                   scales: ScalePolicy = "keep", preset: str | Preset = DEFAULT_PRESET, max_shard_size: int | str = "5GB",
-                   allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
-                   options: Options | None = None) -> Result:
+                   scales: ScalePolicy = "keep", preset: str | Preset | None = None,
+                   max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
+                   progress: bool = True, dtype: str | None = None, options: Options | None = None) -> Result:
     """Write the torch_dist checkpoint ``src`` as a release checkpoint at ``dst`` in ``plan``'s formats.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
     default plan and, with ``scales="keep"``, the NVFP4 amax and the bytes of unchanged blocks.
+    ``preset``: the Megatron key layout; None reads it from ``common.pt`` or detects it from the keys.
+    ``max_shard_size`` None: the reference's files and index when the output holds exactly its
+    tensors (an untouched checkpoint comes back file for file), else 5GB shards. ``dtype``: the
+    dtype of the layers the plan leaves unquantized (default the plan's; a rounding cast is refused).
     Under torchrun the ranks split the output shards and publish one checkpoint.
     """
-    reader, plan, m, specs = _open_megatron(src, reference, plan, preset)
+    reader, plan, m, specs = _open_megatron(src, reference, plan, preset, dtype)
     cfg = reference.cfg
     encoder = ExpertEncoder(plan, scales=scales, reference=reference if scales == "keep" else None,
                             allow_nonfinite=allow_nonfinite)
     config = output_config(reference.config, cfg, plan)
+    files = reference_sharding(reference, specs) if max_shard_size is None else None
     job = {"command": "megatron-to-hf", "source": reader.describe(), "reference": reference.describe(),
-           "plan": str(plan), "scales": scales, "preset": m.preset.name, "max_shard_size": str(max_shard_size),
+           "plan": str(plan), "scales": scales, "preset": m.preset.name, "dtype": dtype,
+           "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
     units = _plan_to_hf(m, specs, plan, ex.slice_bytes)
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
-                    _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size, force=force)
+                    _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
+                    files=files, force=force)
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:

@@ -16,9 +16,11 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 from ..errors import CheckpointError
+from ..formats.stacked import UNQUANTIZED
+from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
 from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
-from ..model.precision import PrecisionPlan
+from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
     DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, dense_units, device_kind, estimate, stack_units, to_host, write_hf,
@@ -61,14 +63,20 @@ def requantize(
     *,
     scales: ScalePolicy = "fresh",
     reference: ScaleSource | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     allow_nonfinite: bool = False,
     force: bool = False,
     progress: bool = True,
     command: str = "requantize",
+    dtype: str | None = None,
     options: Options | None = None,
 ) -> Result:
     """Write ``src`` re-encoded under ``plan`` to ``dst`` (atomic; resumable; skipped when done).
+
+    ``dtype`` (``bf16``, ``f16``, ``f32``): the dtype of the layers ``plan`` leaves unquantized;
+    without it, a layer stored wider than the plan writes it is refused (``model.precision.dense_as``).
+
+    ``max_shard_size`` None: the source's files when the output keeps its tensors, else 5GB shards.
 
     ``options`` picks the device, slice budget and workers (default: ``--device auto``); under
     torchrun the ranks split the output shards and publish one checkpoint.
@@ -76,18 +84,21 @@ def requantize(
     cfg = src.cfg
     if len(plan) != cfg.num_hidden_layers:
         raise CheckpointError(f"the precision plan covers {len(plan)} layers, but the source has {cfg.num_hidden_layers}")
-    if scales == "keep" and reference is None and src.plan.used_formats() != ["bf16"]:
+    plan = dense_as(plan, src.plan, dtype)
+    if scales == "keep" and reference is None and not set(src.plan.used_formats()) <= set(UNQUANTIZED):
         reference = src  # a quantized source carries its own scales
     encoder = ExpertEncoder(plan, scales=scales, reference=reference, allow_nonfinite=allow_nonfinite)
     specs = inventory(cfg, plan, dtypes=src.dtypes(), vision=src.vision_specs())
     config = output_config(src.config, cfg, plan)
+    files = reference_sharding(src, specs) if max_shard_size is None else None
     job = {"command": command, "source": src.describe(), "plan": str(plan), "scales": scales,
            "reference": reference.describe() if reference is not None and reference is not src else None,  # type: ignore[attr-defined]
-           "max_shard_size": str(max_shard_size), "allow_nonfinite": allow_nonfinite}
+           "max_shard_size": "source" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
+           "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc=command)
     units = plan_units(src, specs, plan, ex.slice_bytes)
     result = write_hf(ex, dst, job, specs, config, src.extra_files(), units, transform(src, plan, encoder, ex),
-                      max_shard_size=max_shard_size, force=force)
+                      max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, files=files, force=force)
     if "nvfp4" in plan.used_formats() and not result.skipped:
         result.notes.append("NVFP4 experts carry no activation scales (none is pinned by the release format): "
                             "the serving engine calibrates them")
@@ -143,7 +154,10 @@ def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex
         if out.fmt == inp.fmt:
             got = read_parts(src, inp, first, last)  # same format: the stored bytes as they are
         else:
-            x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite, device=ex.device)
+            # Unquantized output: decoded straight to its dtype (one rounding); quantized: from the
+            # source's natural dtype (an F32 source is encoded from its F32 values).
+            x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite,
+                             dtype=UNQUANTIZED.get(out.fmt), device=ex.device)
             got = to_host(encoder.encode(out, first, x))
         return {out.name + k: v for k, v in got.items()}
     return run

@@ -125,8 +125,8 @@ def raise_nonfinite(x: torch.Tensor, name: str) -> None:
 def nonfinite_error(name: str, value: float, index: tuple[int, ...], count: int, numel: int) -> NonFiniteError:
     """The error :func:`raise_nonfinite` raises, for callers that find the first bad element piecewise."""
     return NonFiniteError(
-        f"{name}: non-finite value {value} at index {index} ({count} non-finite of {numel}); "
-        f"pass allow_nonfinite to encode them as NaN blocks"
+        f"{name}: non-finite value {value} at index {index} ({count} non-finite of {numel})",
+        "pass allow_nonfinite to encode them as NaN blocks",
     )
 
 

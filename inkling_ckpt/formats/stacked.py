@@ -9,6 +9,7 @@ the weight rows are. Part suffixes, appended to the weight's name:
 format    ``""`` (the weight)          ``_scale``                  NVFP4 extras
 ========  ==========================  ==========================  =================================
 bf16      BF16 [E, R, C]
+f16, f32  F16 / F32 [E, R, C]          (a checkpoint saved from a float16 / float32 model)
 mxfp8     F8_E4M3 [E, R, C]           U8 (E8M0 byte) [E, R, C/32]
 nvfp4     U8 [E, R, C/2] (2 codes/B)  F8_E4M3 [E, R, C/16]        ``_amax`` F32 [E],
                                                                   ``_outer_scale_denominator`` F32 []
@@ -40,7 +41,10 @@ from .nvfp4 import _amax as _nvfp4_amax
 #: 6 × 448: the release's ``outer_scale_denominator`` (amax / 2688 = ModelOpt's weight_scale_2).
 NVFP4_DENOMINATOR = E2M1_MAX * E4M3_MAX
 WEIGHT, SCALE, AMAX, DENOM = "", "_scale", "_amax", "_outer_scale_denominator"
-STACKED_FORMATS = ("bf16", "mxfp8", "nvfp4")
+#: Unquantized stacked formats and the dtype each stores: one weight part, no scales. The release
+#: is BF16; a checkpoint transformers saved from a float32 or float16 model holds F32 / F16 experts.
+UNQUANTIZED: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+STACKED_FORMATS = ("bf16", "f16", "f32", "mxfp8", "nvfp4")
 #: Elements per chunk of the NVFP4 decode on CUDA (float32 temporaries of ~256 MiB each).
 _CUDA_CHUNK_ELEMS = 1 << 26
 
@@ -58,8 +62,8 @@ def stacked_parts(fmt: str, shape: Sequence[int]) -> dict[str, tuple[tuple[int, 
     if len(shape) != 3 or any(int(s) <= 0 for s in shape):
         raise FormatError(f"stacked experts: expected a positive [E, rows, cols] shape, got {list(shape)}")
     e, r, c = (int(s) for s in shape)
-    if name == "bf16":
-        return {WEIGHT: ((e, r, c), torch.bfloat16)}
+    if name in UNQUANTIZED:
+        return {WEIGHT: ((e, r, c), UNQUANTIZED[name])}
     if name == "mxfp8":
         _check_cols(name, c, MXFP8_BLOCK)
         return {WEIGHT: ((e, r, c), torch.float8_e4m3fn), SCALE: ((e, r, c // MXFP8_BLOCK), torch.uint8)}
@@ -77,13 +81,19 @@ def format_of_parts(dtypes: Mapping[str, torch.dtype]) -> str | None:
     """The format a layer's stored parts (suffix → dtype) are in, or None if they fit none."""
     w = dtypes.get(WEIGHT)
     keys = set(dtypes)
-    if w == torch.bfloat16 and keys == {WEIGHT}:
-        return "bf16"
+    if keys == {WEIGHT}:
+        return next((name for name, dt in UNQUANTIZED.items() if dt == w), None)
     if w == torch.float8_e4m3fn and keys == {WEIGHT, SCALE}:
         return "mxfp8"
     if w == torch.uint8 and keys == {WEIGHT, SCALE, AMAX, DENOM}:
         return "nvfp4"
     return None
+
+
+def natural_dtype(fmt: str) -> torch.dtype:
+    """The dtype a stacked format decodes to with no rounding beyond the format's own: its stored
+    dtype when unquantized, else BF16 (what transformers' dequantizer produces)."""
+    return UNQUANTIZED.get(_fmt_name(fmt), torch.bfloat16)
 
 
 def interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -128,12 +138,16 @@ def encode_stacked(fmt: object, w: torch.Tensor, *, name: str = "experts", amax:
     fname = _fmt_name(fmt)
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise FormatError(f"{fname}: {name}: expected a stacked [E, rows, cols] tensor")
-    if fname == "bf16":
-        if w.dtype != torch.bfloat16:
-            raise FormatError(f"bf16: {name}: tensor is {w.dtype}, not torch.bfloat16 (no silent casts)")
+    if fname in UNQUANTIZED:
+        if w.dtype != UNQUANTIZED[fname]:
+            raise FormatError(f"{fname}: {name}: tensor is {w.dtype}, not {UNQUANTIZED[fname]} (no silent casts)")
         from .bf16 import BF16Format
 
-        return {WEIGHT: BF16Format().encode(w, name=name, allow_nonfinite=allow_nonfinite)["weight"]}
+        if fname == "bf16":
+            return {WEIGHT: BF16Format().encode(w, name=name, allow_nonfinite=allow_nonfinite)["weight"]}
+        if not allow_nonfinite and w.numel() and not all(bool(torch.isfinite(v)) for v in torch.aminmax(w)):
+            raise NonFiniteError(f"{fname}: {name}: NaN or Inf values; pass --allow-nonfinite to keep them")
+        return {WEIGHT: w.detach().contiguous()}
     if w.dtype not in FLOAT_INPUTS:
         raise FormatError(f"{fname}: {name}: cannot quantize dtype {w.dtype}; expected one of "
                           f"{', '.join(str(d) for d in FLOAT_INPUTS)}")
@@ -362,9 +376,9 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
     w = parts.get(WEIGHT)
     if not isinstance(w, torch.Tensor) or w.dim() != 3:
         raise FormatError(f"{fname}: {name}: missing or non-3-D stacked weight")
-    if fname == "bf16":
-        if w.dtype != torch.bfloat16:
-            raise FormatError(f"bf16: {name}: weight is {w.dtype}, expected torch.bfloat16")
+    if fname in UNQUANTIZED:
+        if w.dtype != UNQUANTIZED[fname]:
+            raise FormatError(f"{fname}: {name}: weight is {w.dtype}, expected {UNQUANTIZED[fname]}")
         return w.to(dtype)
     sc = parts.get(SCALE)
     if not isinstance(sc, torch.Tensor):
@@ -424,7 +438,7 @@ def _check_factor(factor: torch.Tensor, name: str) -> None:
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0])
         raise NonFiniteError(f"{name}: expert {i} has global factor amax/denominator = {float(factor[i])} "
-                             "(must be finite and > 0); pass --allow-nonfinite to decode it anyway")
+                             "(must be finite and > 0)", "pass --allow-nonfinite to decode it anyway")
 
 
 #: Smallest scale byte that no quantizer writes: MXFP8 0xFF (E8M0 NaN); NVFP4 0x7F (E4M3 NaN) and
@@ -446,8 +460,8 @@ def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
         return
     idx = tuple(int(i) for i in torch.nonzero(bad)[0])
     if fname == "mxfp8":
-        raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}; pass --allow-nonfinite to decode it as NaN")
-    raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}; "
+        raise NonFiniteError(f"{name}{SCALE}: NaN scale byte 0xFF at block {idx}", "pass --allow-nonfinite to decode it as NaN")
+    raise NonFiniteError(f"{name}{SCALE}: negative or NaN block scale at block {idx}",
                          "pass --allow-nonfinite to decode it anyway")
 
 

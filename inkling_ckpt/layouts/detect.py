@@ -89,6 +89,20 @@ def detect_layout(path: str | Path) -> str:
         f"inkling-ckpt shard), no {TRACKER} or {RELEASE}/{METADATA_JSON} (Megatron torch_dist)")
 
 
+#: What to do with a folder of another layout given where an HF checkpoint is read.
+NOT_HF: dict[str, str] = {
+    TORCH_DIST: "this is a Megatron torch_dist checkpoint, not an HF one: use `inkling-ckpt convert megatron-to-hf "
+                "SRC DST --reference HF` to make an HF checkpoint of it (inspect, verify and memory read it as it is)",
+    SHARDED: f"this is a sharded folder ({SHARD_MANIFEST}), not an HF checkpoint: use `inkling-ckpt shard --merge "
+             "SRC DST` to rebuild the HF checkpoint (inspect, verify and memory read it as it is)",
+}
+
+
+def not_hf_hint(kind: str) -> str:
+    """The one-line advice for a ``kind`` folder given to a command that reads HF checkpoints."""
+    return NOT_HF.get(kind, f"a {kind} folder, not an HF checkpoint")
+
+
 def open_checkpoint(path: str | Path, *, config: Any = None, default_config: Any = None, layout: str | None = None,
                     verify_checksums: bool = False) -> Checkpoint:
     """Open any layout the toolkit writes, detected from the folder (headers and metadata only).
@@ -116,5 +130,5 @@ def open_checkpoint(path: str | Path, *, config: Any = None, default_config: Any
     return HFCheckpoint.open(path)
 
 
-__all__ = ["open_checkpoint", "detect_layout", "Checkpoint", "HF", "TORCH_DIST", "SHARDED", "LAYOUTS",
+__all__ = ["open_checkpoint", "detect_layout", "not_hf_hint", "NOT_HF", "Checkpoint", "HF", "TORCH_DIST", "SHARDED", "LAYOUTS",
            "SHARD_MANIFEST"]

@@ -64,6 +64,23 @@ class StoredTensor:
         return nbytes(self.shape, self.dtype)
 
 
+def looks_like_repo_id(text: str) -> bool:
+    """``org/name``: a hub repo id (used when no local path of that name exists)."""
+    return text.count("/") == 1 and not text.startswith((".", "/"))
+
+
+def fetch_config(repo_id: str) -> Path:
+    """A hub repo's ``config.json`` alone (from the local cache when there): for planning before a download."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except (LocalEntryNotFoundError, HfHubHTTPError, OSError, ValueError) as e:
+        raise CheckpointError(f"{repo_id}: not a local path and its config.json is not fetchable from the hub "
+                              f"({type(e).__name__})") from None
+
+
 class HFCheckpoint:
     """A Hugging Face checkpoint of Inkling 2, opened lazily. Use :meth:`open`."""
 
@@ -82,6 +99,11 @@ class HFCheckpoint:
     def open(cls, source: str | Path, *, validate: bool = True) -> "HFCheckpoint":
         """Read the config and every shard header; each layer's expert format comes from the tensors present."""
         root = resolve_source(source)
+        from .detect import HF, detect_layout, not_hf_hint  # detect imports this module
+
+        kind = detect_layout(root)
+        if kind != HF:
+            raise CheckpointError(f"{root}: {not_hf_hint(kind)}")
         config = read_json(inside(root, "config.json", str(root)))
         files = _weight_map(root)
         check_config_bounds(config, root / "config.json", tensors=len(files))
@@ -382,16 +404,28 @@ class HFWriter:
     """
 
     def __init__(self, staging: StagingFolder, specs: Sequence[TensorSpec], max_shard_size: int | str = DEFAULT_MAX_SHARD,
-                 *, rank: int = 0, ranks: int = 1):
+                 files: Mapping[str, str] | None = None, *, rank: int = 0, ranks: int = 1):
+        """``files``: tensor → file name, in file order (see :func:`reference_sharding`); else split by size.
+        ``rank`` of ``ranks`` writes the shard files it owns (whole files, assigned by size)."""
         self.staging = staging
         self.specs = {s.name: s for s in specs}
-        split = split_state_dict_into_shards_factory(
-            dict(self.specs), get_storage_size=lambda s: s.nbytes, filename_pattern=SHARD_PATTERN,
-            max_shard_size=max_shard_size,
-        )
-        self.is_sharded = split.is_sharded
-        self.weight_map = dict(split.tensor_to_filename)
-        self.shards = {f: _Shard(f, names, self.specs) for f, names in split.filename_to_tensors.items()}
+        if files is not None:
+            by_file: dict[str, list[str]] = {}
+            for name, f in files.items():
+                by_file.setdefault(f, []).append(name)
+            self.is_sharded = set(by_file) != {SINGLE}
+            self.weight_map = dict(files)
+        else:
+            split = split_state_dict_into_shards_factory(
+                dict(self.specs), get_storage_size=lambda s: s.nbytes, filename_pattern=SHARD_PATTERN,
+                max_shard_size=max_shard_size,
+            )
+            self.is_sharded = split.is_sharded
+            self.weight_map = dict(split.tensor_to_filename)
+            by_file = split.filename_to_tensors
+        if set(self.weight_map) != set(self.specs):
+            raise CheckpointError("writer: the file assignment does not cover exactly the planned tensors")
+        self.shards = {f: _Shard(f, names, self.specs) for f, names in by_file.items()}
         self.rank, self.ranks = rank, ranks
         self.owner = _assign({f: sh.size for f, sh in self.shards.items()}, ranks)
         self._pieces: dict[str, list[tuple[int, int]]] = {}  # disjoint sorted row ranges done, of tensors not complete
@@ -609,6 +643,21 @@ def _assign(sizes: Mapping[str, int], ranks: int) -> dict[str, int]:
         owner[f] = r
         load[r] += n
     return owner
+def reference_sharding(ref: Any, specs: Sequence[TensorSpec]) -> dict[str, str] | None:
+    """The files of HF checkpoint ``ref`` (tensor → file, each file's tensors in stored order) when the
+    output holds exactly its tensors (names, shapes, dtypes), so an unchanged checkpoint comes back file
+    for file; None otherwise (the output is then split by size)."""
+    tensors = getattr(ref, "tensors", None)
+    if not isinstance(tensors, Mapping) or set(tensors) != {s.name for s in specs}:
+        return None
+    for s in specs:
+        t = tensors[s.name]
+        if not isinstance(t, StoredTensor) or (t.shape, t.dtype) != (s.shape, s.dtype):
+            return None
+    if any(Path(t.file).name != t.file or not t.file.endswith(".safetensors") for t in tensors.values()):
+        return None  # only plain shard names are reproduced
+    order = sorted(tensors.values(), key=lambda t: (t.file, t.offset))
+    return {t.name: t.file for t in order}
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -649,5 +698,5 @@ def parse_size(size: str | int) -> int:
 
 __all__ = [
     "HFCheckpoint", "HFWriter", "StoredTensor", "read_header", "resolve_source", "hub_access", "split_repo_id", "check_against_inventory",
-    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX",
+    "DTYPE_TO_ST", "ST_TO_DTYPE", "INDEX", "reference_sharding",
 ]

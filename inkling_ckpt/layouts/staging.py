@@ -33,6 +33,7 @@ Safety:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -161,6 +162,9 @@ class Staging:
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise OutputError(f"{self.dst}: another inkling-ckpt run is writing it now (its staging folder "
                                       f"{self.path.name} is locked); wait for it to finish") from None
+                if created:  # ours and still empty: nothing of a run to keep
+                    with contextlib.suppress(OSError):
+                        self.path.rmdir()
                 raise OutputError(f"{self.path}: cannot lock the staging folder ({e.strerror}); this filesystem "
                                   "may not support flock: write DST on a local disk") from None
             st = os.fstat(fd)

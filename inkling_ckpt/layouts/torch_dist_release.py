@@ -29,7 +29,9 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..model.config import InklingConfig, read_json
 from ..model.inventory import TensorSpec, inventory, nbytes
-from ..model.mapping import PRESETS, MegatronMapping, get_preset, stored_shape_ok
+from ..model.mapping import (
+    PRESETS, Experts, MegatronMapping, Preset, get_preset, layer_count, presets_of_keys, stored_shape_ok,
+)
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import output_config
 from .hf import DTYPE_TO_ST
@@ -140,7 +142,9 @@ class TorchDistRelease:
                 raise ConfigError(f"{root}: the config given describes another model than the one kept in its "
                                   f"{COMMON} (they differ in {', '.join(diff)}); drop --config to use the kept one")
         reader.unstack_layers(cfg.num_hidden_layers)
-        mapping = _mapping_for(reader, cfg, str(root))
+        if stored is None:
+            check_same_model(reader, cfg, str(root), "config", str(config) if not isinstance(config, Mapping) else "")
+        mapping = mapping_for(reader, cfg, str(root))
         dtypes = check_torch_dist(reader, mapping)
         return cls(root, reader, cfg_dict, source, mapping, dtypes)
 
@@ -202,8 +206,14 @@ class TorchDistRelease:
         self.reader._cache = None  # the last chunk read
 
 
-def _mapping_for(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str) -> MegatronMapping:
-    """The recorded preset's mapping, else the one preset whose keys the folder holds exactly."""
+def mapping_for(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str,
+                preset: str | Preset | None = None) -> MegatronMapping:
+    """The key mapping of a torch_dist folder: ``preset`` when given, else the one recorded in
+    ``common.pt``, else the one whose keys the folder holds (the preset tables decide)."""
+    if preset is not None:
+        m = MegatronMapping(cfg, preset)
+        m.check_megatron(reader.keys, where)
+        return m
     ours = reader.common.get(INKLING_KEY)
     recorded = ours.get("preset") if isinstance(ours, Mapping) else None
     if isinstance(recorded, str) and recorded in PRESETS:
@@ -212,10 +222,73 @@ def _mapping_for(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str) ->
     for m in mappings:
         if m.megatron_coverage(reader.keys).ok:
             return m
-    # None fits: report against the preset that leaves the fewest keys unexplained.
-    best = min(mappings, key=lambda m: (lambda c: len(c.unused) + len(c.missing))(m.megatron_coverage(reader.keys)))
+    fitting = presets_of_keys(reader.keys)
+    if fitting:  # the global keys name the preset: report against it
+        best = MegatronMapping(cfg, fitting[0])
+    else:  # none fits: report against the preset that leaves the fewest keys unexplained
+        best = min(mappings, key=lambda m: (lambda c: len(c.unused) + len(c.missing))(m.megatron_coverage(reader.keys)))
     best.check_megatron(reader.keys, f"{where} (no key preset fits; nearest: {best.preset.name})")
     return best  # not reached: check_megatron raised
 
 
-__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config", "check_torch_dist"]
+#: How a model-size mismatch is reported: config field -> how its value reads (others: "field value").
+SIZE_LABELS: dict[str, str] = {
+    "num_hidden_layers": "{} layers", "hidden_size": "hidden {}", "n_routed_experts": "{} experts",
+    "moe_intermediate_size": "expert width {}", "vocab_size": "vocabulary {}",
+}
+
+
+def stored_dims(reader: TorchDistCheckpoint) -> dict[str, Any]:
+    """The model size a torch_dist folder holds: its kept config, else what its keys show
+    (layers from the layer prefixes, hidden size from the embedding, experts from layer 0's stack)."""
+    kept = read_stored_config(reader.common)
+    if kept is not None:
+        cfg = InklingConfig.from_dict(kept)
+        return {f: getattr(cfg, f) for f in cfg.__dataclass_fields__ if f != "vision"}
+    dims: dict[str, Any] = {}
+    for name in presets_of_keys(reader.keys)[:1]:
+        preset = get_preset(name)
+        layers = layer_count(preset, reader.keys)
+        if layers is not None:
+            dims["num_hidden_layers"] = layers
+        for rule in preset.rules:
+            if rule.vocab and "{L}" not in rule.key and rule.key in reader.keys:
+                dims["hidden_size"] = reader.keys[rule.key].shape[-1]
+            if isinstance(rule, Experts) and "n_routed_experts" not in dims:
+                key = rule.key.replace("{L}", preset.layer_prefix_of(rule.site, 0))
+                if key in reader.keys:
+                    dims["n_routed_experts"] = reader.keys[key].shape[0]
+    return dims
+
+
+def check_same_model(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str, what: str = "reference",
+                     source: str = "") -> None:
+    """ConfigError naming the fields in which ``cfg`` (the reference's) and the folder's model differ.
+
+    Run before any key check, so a reference of another size says so instead of failing on keys.
+    """
+    have = stored_dims(reader)
+    diff = [f for f, v in have.items() if getattr(cfg, f) != v]
+    if not diff:
+        return
+    if "num_hidden_layers" in diff and "layer_types" in diff:
+        diff.remove("layer_types")  # follows from the layer count
+    diff.sort(key=lambda f: (list(SIZE_LABELS).index(f) if f in SIZE_LABELS else len(SIZE_LABELS), f))
+
+    def show(values: Mapping[str, Any], fields: list[str]) -> str:
+        def one(f: str) -> str:
+            v = values[f]
+            text = "[" + ", ".join(map(str, v)) + "]" if isinstance(v, (tuple, list)) else str(v)
+            return SIZE_LABELS.get(f, f + " {}").format(text)
+        return ", ".join(one(f) for f in fields)
+
+    shown = [f for f in diff if f in SIZE_LABELS] or diff[:3]
+    rest = [f for f in diff if f not in shown]
+    also = f" (also {', '.join(rest[:4])}{f' and {len(rest) - 4} more' if len(rest) > 4 else ''})" if rest else ""
+    given = f"the {what} {source}".rstrip()
+    raise ConfigError(f"{where}: {given} describes another model than this checkpoint: {what}: "
+                      f"{show({f: getattr(cfg, f) for f in shown}, shown)}; checkpoint: {show(have, shown)}{also}")
+
+
+__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config", "mapping_for", "check_same_model",
+           "stored_dims", "check_torch_dist"]

@@ -26,6 +26,7 @@ HybridModel: attention of layer i at ``decoder.layers.{2i}``, its MoE at ``{2i+1
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Iterable, Mapping, Sequence
@@ -273,12 +274,12 @@ class Coverage:
     def ok(self) -> bool:
         return not self.unused and not self.missing
 
-    def raise_for(self, where: str, what: str) -> None:
-        """CheckpointError naming the first unused / missing name (and how many more)."""
+    def raise_for(self, where: str, what: str, hint: str = "") -> None:
+        """CheckpointError naming the first unused / missing name (and how many more), then ``hint``."""
         for names, why in ((self.unused, f"no {what} rule uses"), (self.missing, "missing")):
             if names:
                 more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-                raise CheckpointError(f"{where}: {why} {names[0]}{more}")
+                raise CheckpointError(f"{where}: {why} {names[0]}{more}{'; ' + hint if hint else ''}")
 
 
 class MegatronMapping:
@@ -405,7 +406,14 @@ class MegatronMapping:
         self.hf_coverage(names).raise_for(where, "Megatron")
 
     def check_megatron(self, keys: Iterable[str], where: str) -> None:
-        self.megatron_coverage(keys).raise_for(where, f"preset {self.preset.name}")
+        """CheckpointError naming the first key this preset leaves unexplained, and the preset the keys fit instead."""
+        keys = list(keys)
+        cov = self.megatron_coverage(keys)
+        if cov.ok:
+            return
+        others = [p for p in presets_of_keys(keys) if p != self.preset.name]
+        hint = f"its keys follow preset {others[0]} (pass --preset {others[0]}, or leave --preset out)" if others else ""
+        cov.raise_for(where, f"preset {self.preset.name}", hint)
 
     # ---- transforms
 
@@ -428,6 +436,35 @@ class MegatronMapping:
         return e.rule.to_hf(t)
 
 
+# ---- which preset a folder's keys follow ---------------------------------------------------------
+
+
+def global_keys(preset: Preset) -> frozenset[str]:
+    """The preset's keys outside decoder layers: the same for every config of the model."""
+    return frozenset(r.key for r in preset.rules if "{L}" not in r.key)
+
+
+def presets_of_keys(keys: Iterable[str]) -> list[str]:
+    """Names of the presets whose global keys a torch_dist folder holds (no config needed).
+
+    The tables decide: a preset fits when every one of its global keys is stored (``miles`` keeps
+    ``decoder.final_layernorm``, ``bridge`` ``decoder.final_norm``).
+    """
+    have = set(keys)
+    return [name for name, p in PRESETS.items() if global_keys(p) <= have]
+
+
+def layer_count(preset: Preset, keys: Iterable[str]) -> int | None:
+    """Decoder layers a torch_dist folder holds under ``preset``, from its per-layer key prefixes."""
+    head, _, tail = preset.layer_prefix.partition("{n}")
+    prefix = re.compile(re.escape(head) + r"(\d+)" + re.escape(tail) + r"\.")
+    numbers = {int(m.group(1)) for m in map(prefix.match, keys) if m is not None}
+    if not numbers:
+        return None
+    stride = max(s for s, _ in preset.sites.values())
+    return -(-(max(numbers) + 1) // stride)
+
+
 def stored_shape_ok(e: Entry, shape: Sequence[int]) -> bool:
     """Whether a stored Megatron tensor of ``shape`` fits ``e`` (vocabulary keys may be padded)."""
     shape = tuple(shape)
@@ -438,5 +475,6 @@ def stored_shape_ok(e: Entry, shape: Sequence[int]) -> bool:
 
 __all__ = [
     "Copy", "Experts", "ExtraState", "Preset", "MILES", "BRIDGE", "PRESETS", "DEFAULT_PRESET", "get_preset",
-    "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok",
+    "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok", "global_keys",
+    "presets_of_keys", "layer_count",
 ]

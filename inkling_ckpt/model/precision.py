@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from ..errors import PlanError
-from ..formats import FORMAT_NAMES
+from ..formats.stacked import STACKED_FORMATS as FORMAT_NAMES
 
 _RULE = re.compile(r"^\s*(?:(\d+)(?:\s*-\s*(\d+))?\s*:)?\s*([A-Za-z0-9_]+)\s*$")
 
@@ -90,3 +90,32 @@ class PrecisionPlan:
     @classmethod
     def from_layer_formats(cls, formats: Sequence[str] | Iterable[str]) -> "PrecisionPlan":
         return cls(tuple(formats))
+
+
+#: Casts between unquantized expert dtypes that keep every value: (stored format, written format).
+EXACT_CASTS = frozenset({("bf16", "f32"), ("f16", "f32")})
+
+
+def dense_as(plan: PrecisionPlan, source: PrecisionPlan, dtype: str | None = None) -> PrecisionPlan:
+    """``plan`` with its unquantized layers written in ``dtype`` (``bf16``, ``f16``, ``f32``).
+
+    Without ``dtype`` a layer keeps the plan's format; where the source stores that layer's
+    experts unquantized in another dtype and the cast would round them (F32 → BF16, F16 ↔ BF16),
+    PlanError names ``--dtype``: no command narrows a dtype silently.
+    """
+    from ..formats.stacked import UNQUANTIZED
+
+    if dtype is not None and dtype not in UNQUANTIZED:
+        raise PlanError(f"--dtype {dtype!r}: choose one of {', '.join(UNQUANTIZED)}")
+    out = []
+    for i, fmt in enumerate(plan.formats):
+        if fmt in UNQUANTIZED:
+            stored = source.format_of(i)
+            if dtype is not None:
+                fmt = dtype
+            elif stored in UNQUANTIZED and stored != fmt and (stored, fmt) not in EXACT_CASTS:
+                raise PlanError(f"layer {i}'s routed experts are {stored.upper()}; writing them as {fmt.upper()} would "
+                                f"round them (no silent casts): pass --dtype {fmt} to round them, or --dtype {stored} "
+                                "to keep them")
+        out.append(fmt)
+    return PrecisionPlan(tuple(out))

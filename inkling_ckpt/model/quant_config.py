@@ -14,6 +14,7 @@ import copy
 from typing import Any, Mapping
 
 from ..errors import CheckpointError
+from ..formats.stacked import UNQUANTIZED
 from .config import InklingConfig
 from .precision import PrecisionPlan
 
@@ -33,7 +34,7 @@ def release_quant_config(cfg: InklingConfig, plan: PrecisionPlan) -> dict[str, A
     used = set(plan.used_formats())
     if "mxfp8" not in used or "nvfp4" in used:
         return None
-    bf16 = [f"model.llm.layers.{i}.mlp.experts" for i in range(len(plan)) if plan.format_of(i) == "bf16"]
+    bf16 = [f"model.llm.layers.{i}.mlp.experts" for i in range(len(plan)) if plan.format_of(i) in UNQUANTIZED]
     return {
         "quant_method": "fp8",
         "activation_scheme": "dynamic",

@@ -33,8 +33,12 @@ def piece_bytes(spec: TensorSpec, start: int, stop: int) -> int:
 
 def write_hf(ex: Executor, dst: str | Path, job: dict[str, Any], specs: Sequence[TensorSpec], config: Mapping[str, Any],
              extra_files: Mapping[str, Any], units: Sequence[Unit], transform: Callable[[Unit], Mapping[str, torch.Tensor]],
-             *, max_shard_size: int | str, force: bool = False, inputs: Iterable[str | Path | None] = ()) -> Result:
-    """Publish the HF checkpoint of ``specs`` at ``dst`` (atomic, resumable, collective under torchrun)."""
+             *, max_shard_size: int | str, files: Mapping[str, str] | None = None, force: bool = False,
+             inputs: Iterable[str | Path | None] = ()) -> Result:
+    """Publish the HF checkpoint of ``specs`` at ``dst`` (atomic, resumable, collective under torchrun).
+
+    ``files``: tensor → file (a reference's sharding, :func:`~inkling_ckpt.layouts.hf.reference_sharding`)
+    instead of splitting by ``max_shard_size``."""
     t0 = time.perf_counter()
     by_name = {s.name: s for s in specs}
     planned = {p[0] for u in units for p in u.pieces}
@@ -43,7 +47,7 @@ def write_hf(ex: Executor, dst: str | Path, job: dict[str, Any], specs: Sequence
         raise ValueError(f"write_hf: no unit produces {missing[0]}")  # a planning bug, not bad input
 
     def work(stage: Stage) -> None:
-        writer = HFWriter(stage, specs, max_shard_size, rank=stage.rank, ranks=stage.ranks)
+        writer = HFWriter(stage, specs, max_shard_size, files, rank=stage.rank, ranks=stage.ranks)
         todo: list[Unit] = []
         reused: list[Unit] = []
         for u in units:
@@ -71,7 +75,7 @@ def write_hf(ex: Executor, dst: str | Path, job: dict[str, Any], specs: Sequence
         writer.close(index=False)
 
     def finish(stage: Stage, _: None) -> None:
-        HFWriter(stage, specs, max_shard_size).write_index()
+        HFWriter(stage, specs, max_shard_size, files).write_index()
         write_json(stage.path / "config.json", dict(config))
         write_extra_files(dict(extra_files), stage.path)
 

@@ -17,18 +17,28 @@ Per compared tensor, with ``a``, ``b`` the float32 values and ``e = b − a``:
 
 Non-finite elements that differ count as inexact and are left out of the sums.
 
+Each tensor also gets a ``verdict``: ``exact`` (bit-identical values), ``rounding`` (B is not A's
+value but exactly what narrowing A's value gives — the expected rounding, named in ``rounding``),
+or ``mismatch``. The expected rounding is one of :data:`ROUNDINGS`: a BF16 side holding the BF16
+decode of the other side's NVFP4 experts (what ``hf-to-megatron`` and transformers'
+dequantizer write: each value e2m1 × E4M3 block scale × the expert's float32 factor
+amax/2688 is computed in float32 and rounded to BF16's 8 significant bits; MXFP8 values fit
+BF16 and never round), or a tensor stored narrower on one side (F32 → BF16/F16, the value
+rounded to nearest: ``--dtype bf16`` conversions of a float32 checkpoint). The check is bit for bit: B must equal A narrowed, element for element.
+
 Report (``--json``), schema ``inkling-ckpt/verify/1``::
 
     {"schema": "inkling-ckpt/verify/1",
      "a": {"source", "layout", "variant", "precision_plan"}, "b": {...},
-     "summary": {"tensors", "bit_exact_tensors", "elements", "exact_elements", "exact_fraction",
-                 "min_sqnr_db", "max_abs"},
+     "summary": {"tensors", "bit_exact_tensors", "rounding_tensors", "mismatch_tensors", "elements",
+                 "exact_elements", "exact_fraction", "min_sqnr_db", "max_abs"},
      "formats": {FORMAT: STATS},            # FORMAT: "nvfp4", "mxfp8", "bf16", "dense", or "x->y"
      "layers":  [{"layer", "format", **STATS}],       # routed experts per decoder layer
-     "tensors": [{"name", "format", "layer", **STATS}],  # worst first
+     "tensors": [{"name", "format", "layer", "verdict", "rounding", **STATS}],  # worst first
      "thresholds": {"min_sqnr_db", "exact", "passed", "failures", "first_failures"},
+     "rounding": {REASON: {"tensors", "why"}},   # the expected roundings seen (--exact lets them pass)
      "not_compared": {"only_a": [NAME, ...], "only_b": [NAME, ...]}}   # vision tensors one side lacks
-    STATS = {"tensors", "bit_exact_tensors", "elements", "exact_elements", "max_abs",
+    STATS = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs",
              "rel_rmse", "sqnr_db"}                   # per tensor: "tensors" == 1
 
 ``FORMAT`` is the expert format being measured: the quantized side's format when the other
@@ -50,7 +60,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..convert.experts import read_parts
 from ..convert.requantize import expert_slices
-from ..formats.stacked import decode_stacked
+from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
@@ -58,6 +68,15 @@ from ..progress import ByteProgress
 
 SCHEMA = "inkling-ckpt/verify/1"
 DENSE = "dense"
+EXACT, ROUNDING, MISMATCH = "exact", "rounding", "mismatch"
+
+#: The expected roundings: B differs from A only by narrowing A's exact value (see the module docstring).
+ROUNDINGS: dict[str, str] = {
+    "bf16-decode-of-nvfp4": (
+        "a BF16 copy of NVFP4 experts holds their BF16 decode: e2m1 x E4M3 block scale x the expert's float32 "
+        "factor amax/2688, rounded to BF16 (8 significant bits); it equals that decode bit for bit"),
+    "narrowed": "a tensor stored narrower on one side (F32 -> BF16/F16): equal to the wider one rounded to nearest",
+}
 
 
 @dataclass
@@ -66,6 +85,7 @@ class Stats:
 
     tensors: int = 0
     bit_exact_tensors: int = 0
+    rounding_tensors: int = 0  # not bit-exact, but exactly the expected rounding of A
     elements: int = 0
     exact_elements: int = 0
     signal: float = 0.0  # Σa²
@@ -75,6 +95,7 @@ class Stats:
     def add(self, other: "Stats") -> None:
         self.tensors += other.tensors
         self.bit_exact_tensors += other.bit_exact_tensors
+        self.rounding_tensors += other.rounding_tensors
         self.elements += other.elements
         self.exact_elements += other.exact_elements
         self.signal += other.signal
@@ -96,7 +117,8 @@ class Stats:
         return math.sqrt(self.noise / self.signal)
 
     def to_json(self) -> dict[str, Any]:
-        return {"tensors": self.tensors, "bit_exact_tensors": self.bit_exact_tensors, "elements": self.elements,
+        return {"tensors": self.tensors, "bit_exact_tensors": self.bit_exact_tensors,
+                "rounding_tensors": self.rounding_tensors, "elements": self.elements,
                 "exact_elements": self.exact_elements, "max_abs": self.max_abs,
                 "rel_rmse": _finite(self.rel_rmse), "sqnr_db": _finite(self.sqnr_db)}
 
@@ -172,9 +194,17 @@ class Item:
     fmt: str
     layer: int | None
     stats: Stats
+    rounding: str | None = None  # a ROUNDINGS key when B is exactly A's expected rounding
+
+    @property
+    def verdict(self) -> str:
+        if self.stats.bit_exact_tensors == self.stats.tensors:
+            return EXACT
+        return ROUNDING if self.rounding is not None else MISMATCH
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "format": self.fmt, "layer": self.layer, **self.stats.to_json()}
+        return {"name": self.name, "format": self.fmt, "layer": self.layer, "verdict": self.verdict,
+                "rounding": self.rounding, **self.stats.to_json()}
 
 
 @dataclass
@@ -189,9 +219,9 @@ class Comparison:
 def _label(fa: str, fb: str) -> str:
     if fa == fb:
         return fa
-    if fa == "bf16":
+    if fa in UNQUANTIZED and fb not in UNQUANTIZED:
         return fb
-    if fb == "bf16":
+    if fb in UNQUANTIZED and fa not in UNQUANTIZED:
         return fa
     return f"{fa}->{fb}"
 
@@ -205,14 +235,22 @@ def _describe(src: Any, path: str | Path) -> dict[str, Any]:
     return {"source": str(path), "layout": src.layout, "variant": src.plan.variant, "precision_plan": str(src.plan)}
 
 
-#: A pair's loader yields (A, B) chunks as float32; B is None where the stored bytes are identical.
-Loader = Callable[[], Iterator[tuple[torch.Tensor, "torch.Tensor | None"]]]
+#: A pair's loader yields (A, B, rounding) chunks as float32; B is None where the stored bytes are
+#: identical; rounding names the ROUNDINGS entry B equals exactly, else None.
+Chunk = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]
+Loader = Callable[[], Iterator[Chunk]]
 #: BF16 bytes of experts decoded at once per side (float32 doubles it).
 SLICE_BYTES = 32 * 2**20
 
 
+def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
+    """Whether ``narrow`` is ``wide`` rounded to its (narrower) dtype, bit for bit."""
+    return (wide.dtype.itemsize > narrow.dtype.itemsize and wide.dtype.is_floating_point
+            and _same_bytes(wide.to(narrow.dtype), narrow))
+
+
 def _dense(a: Any, b: Any, name: str, shape: tuple[int, ...], shape_b: tuple[int, ...], nbytes: int,
-           ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+           ) -> Iterator[Chunk]:
     """A non-expert tensor in row slices of about ``SLICE_BYTES`` (an embedding is GBs at full size)."""
     if tuple(shape) != tuple(shape_b):
         raise CheckpointError(f"{name}: shape {list(shape)} in A, {list(shape_b)} in B")
@@ -225,19 +263,33 @@ def _dense(a: Any, b: Any, name: str, shape: tuple[int, ...], shape_b: tuple[int
     for r in ranges:
         ta, tb = (a.get(name), b.get(name)) if r is None else (a.read_rows(name, *r), b.read_rows(name, *r))
         if _same_bytes(ta, tb):
-            yield ta.float(), None
+            yield ta.float(), None, None
         else:
-            yield ta.float(), tb.float()
+            rounded = _narrowed(ta, tb) or _narrowed(tb, ta)
+            yield ta.float(), tb.float(), "narrowed" if rounded else None
 
 
-def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[Chunk]:
     for first, last in expert_slices(sa, SLICE_BYTES):
         pa, pb = read_parts(a, sa, first, last), read_parts(b, sb, first, last)
         da = decode_stacked(sa.fmt, pa, torch.float32, name=sa.name, allow_nonfinite=True)
         if sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa):
-            yield da, None
-        else:
-            yield da, decode_stacked(sb.fmt, pb, torch.float32, name=sb.name, allow_nonfinite=True)
+            yield da, None, None
+            continue
+        db = decode_stacked(sb.fmt, pb, torch.float32, name=sb.name, allow_nonfinite=True)
+        yield da, db, _bf16_decode(sa, pa, sb, pb)
+
+
+def _bf16_decode(sa: ExpertStack, pa: Any, sb: ExpertStack, pb: Any) -> str | None:
+    """``bf16-decode-of-nvfp4`` when one side is BF16 and holds exactly the other's NVFP4 decode to BF16;
+    ``narrowed`` when both are unquantized and one is the other rounded to its narrower dtype."""
+    if sa.fmt in UNQUANTIZED and sb.fmt in UNQUANTIZED:
+        return "narrowed" if _narrowed(pa[""], pb[""]) or _narrowed(pb[""], pa[""]) else None
+    for (sq, pq), (sp, pp) in (((sa, pa), (sb, pb)), ((sb, pb), (sa, pa))):
+        if sq.fmt == "nvfp4" and sp.fmt == "bf16":
+            decoded = decode_stacked(sq.fmt, pq, torch.bfloat16, name=sq.name, allow_nonfinite=True)
+            return "bf16-decode-of-nvfp4" if _same_bytes(decoded, pp[""]) else None
+    return None
 
 
 def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Loader]]:
@@ -323,17 +375,23 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
         with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
             for name, fmt, layer, nbytes, load in pairs:
                 stats = Stats()
-                for ta, tb in load():
+                reasons: set[str | None] = set()  # of the chunks that are not bit-exact
+                for ta, tb, rounding in load():
                     if tb is None:  # stored bytes identical: no need to decode B
                         stats.add(exact_stats(ta))
                     elif tuple(ta.shape) != tuple(tb.shape):
                         raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
                     else:
-                        stats.add(tensor_stats(ta, tb))
+                        chunk = tensor_stats(ta, tb)
+                        if not chunk.bit_exact_tensors:
+                            reasons.add(rounding)
+                        stats.add(chunk)
                 # one tensor however many slices it was compared in
                 stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
                 stats.tensors = 1
-                out.items.append(Item(name, fmt, layer, stats))
+                why = reasons.pop() if len(reasons) == 1 else None  # every inexact chunk: the same expected rounding
+                stats.rounding_tensors = int(not stats.bit_exact_tensors and why is not None)
+                out.items.append(Item(name, fmt, layer, stats, why if stats.rounding_tensors else None))
                 bar.advance(nbytes)
     finally:
         for src in (a, b):
@@ -362,9 +420,12 @@ def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool 
             by_layer.setdefault((it.layer, it.fmt), Stats()).add(it.stats)
     items = sorted(cmp.items, key=_worst_key)
     failures = []
+    rounding: dict[str, dict[str, Any]] = {}
     for it in items:
-        if exact and it.stats.bit_exact_tensors != 1:
-            failures.append(f"{it.name} is not bit-exact")
+        if it.rounding is not None:
+            rounding.setdefault(it.rounding, {"tensors": 0, "why": ROUNDINGS[it.rounding]})["tensors"] += 1
+        if exact and it.verdict == MISMATCH:
+            failures.append(f"{it.name} is not bit-exact, nor the expected rounding of A")
         elif min_sqnr is not None and it.stats.sqnr_db < min_sqnr:
             failures.append(f"{it.name} at {it.stats.sqnr_db:.2f} dB")
     worst = min((it.stats.sqnr_db for it in items), default=math.inf)
@@ -373,6 +434,8 @@ def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool 
         "a": cmp.a,
         "b": cmp.b,
         "summary": {"tensors": total.tensors, "bit_exact_tensors": total.bit_exact_tensors,
+                    "rounding_tensors": total.rounding_tensors,
+                    "mismatch_tensors": sum(1 for it in items if it.verdict == MISMATCH),
                     "elements": total.elements, "exact_elements": total.exact_elements,
                     "exact_fraction": total.exact_elements / total.elements if total.elements else 1.0,
                     "min_sqnr_db": _finite(worst), "max_abs": total.max_abs},
@@ -382,6 +445,7 @@ def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool 
         "thresholds": {"min_sqnr_db": min_sqnr, "exact": exact, "passed": not failures, "failures": len(failures),
                        "first_failures": failures[:10]},
         "not_compared": {"only_a": list(cmp.only_a), "only_b": list(cmp.only_b)},
+        "rounding": rounding,
     }
 
 
@@ -398,20 +462,27 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
 
     lines = [
         f"A {side(rep['a'])}  vs  B {side(rep['b'])}",
-        f"{s['tensors']} tensors, {s['bit_exact_tensors']} bit-exact; {s['exact_elements']}/{s['elements']} elements "
+        f"{s['tensors']} tensors: {s['bit_exact_tensors']} bit-exact, {s['rounding_tensors']} expected rounding, "
+        f"{s['mismatch_tensors']} mismatch; {s['exact_elements']}/{s['elements']} elements "
         f"bit-exact ({100 * s['exact_fraction']:.2f}%); worst SQNR {_db(s['min_sqnr_db'])} dB",
         "",
-        f"{'format':<14} {'tensors':>8} {'bit-exact':>10} {'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10}",
+        f"{'format':<14} {'tensors':>8} {'bit-exact':>10} {'rounding':>9} {'mismatch':>9} {'SQNR dB':>9} "
+        f"{'rel RMSE':>10} {'max abs':>10}",
     ]
     for fmt, f in rep["formats"].items():
         rr = "0" if f["rel_rmse"] == 0 else f"{f['rel_rmse']:.4g}"
-        lines.append(f"{fmt:<14} {f['tensors']:>8} {f['bit_exact_tensors']:>10} {_db(f['sqnr_db']):>9} {rr:>10} "
-                     f"{f['max_abs']:>10.4g}")
+        bad = f["tensors"] - f["bit_exact_tensors"] - f["rounding_tensors"]
+        lines.append(f"{fmt:<14} {f['tensors']:>8} {f['bit_exact_tensors']:>10} {f['rounding_tensors']:>9} {bad:>9} "
+                     f"{_db(f['sqnr_db']):>9} {rr:>10} {f['max_abs']:>10.4g}")
     if rep["layers"]:
-        lines += ["", f"{'layer':>5} {'format':<14} {'tensors':>8} {'bit-exact':>10} {'SQNR dB':>9} {'max abs':>10}"]
+        lines += ["", f"{'layer':>5} {'format':<14} {'tensors':>8} {'bit-exact':>10} {'rounding':>9} {'mismatch':>9} "
+                      f"{'SQNR dB':>9} {'max abs':>10}"]
         for row in rep["layers"]:
+            bad = row["tensors"] - row["bit_exact_tensors"] - row["rounding_tensors"]
             lines.append(f"{row['layer']:>5} {row['format']:<14} {row['tensors']:>8} {row['bit_exact_tensors']:>10} "
-                         f"{_db(row['sqnr_db']):>9} {row['max_abs']:>10.4g}")
+                         f"{row['rounding_tensors']:>9} {bad:>9} {_db(row['sqnr_db']):>9} {row['max_abs']:>10.4g}")
+    for key, r in rep.get("rounding", {}).items():
+        lines += ["", f"expected rounding ({key}), {r['tensors']} tensors: {r['why']}"]
     nc = rep.get("not_compared", {})
     for which, other in (("a", "b"), ("b", "a")):
         names = nc.get(f"only_{which}") or []
@@ -420,13 +491,16 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
             lines += ["", f"not compared: {len(names)} vision tensors only in {which.upper()}{why}"]
     worst = [t for t in rep["tensors"] if t["bit_exact_tensors"] != 1][:top]
     if worst:
-        lines += ["", f"worst {len(worst)} tensors:", f"{'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10}  name"]
+        lines += ["", f"worst {len(worst)} tensors:", f"{'SQNR dB':>9} {'rel RMSE':>10} {'max abs':>10} {'verdict':>9}  name"]
         for t in worst:
-            lines.append(f"{_db(t['sqnr_db']):>9} {t['rel_rmse']:>10.4g} {t['max_abs']:>10.4g}  {t['name']} [{t['format']}]")
+            lines.append(f"{_db(t['sqnr_db']):>9} {t['rel_rmse']:>10.4g} {t['max_abs']:>10.4g} {t['verdict']:>9}  "
+                         f"{t['name']} [{t['format']}]")
     th = rep["thresholds"]
     if th["min_sqnr_db"] is not None or th["exact"]:
         want = "bit-exact" if th["exact"] else f"SQNR >= {th['min_sqnr_db']} dB"
-        lines += ["", f"threshold {want}: " + ("passed" if th["passed"] else
+        rounded = rep["summary"].get("rounding_tensors", 0)
+        also = f" ({rounded} tensors are exactly the expected rounding, above)" if th["exact"] and rounded else ""
+        lines += ["", f"threshold {want}: " + ("passed" + also if th["passed"] else
                                                f"FAILED for {th['failures']} tensors (first: {th['first_failures'][0]})")]
     return "\n".join(lines)
 

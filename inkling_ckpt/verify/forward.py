@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import CheckpointError, ConfigError, FormatError, InklingError
+from ..errors import CheckpointError, ConfigError, FormatError, InklingError, NonFiniteError
 from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
 from ..layouts.pread import TensorFile
 
@@ -458,7 +458,11 @@ class StreamedModel:
             if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
                 t = stored.pop(s.base)
             else:
-                t = decode_stacked(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype, name=s.base)
+                try:
+                    t = decode_stacked(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype, name=s.base)
+                except NonFiniteError as e:  # the writing commands' --allow-nonfinite is no option here
+                    raise e.with_hint("the model cannot run on it (verify without --forward compares it "
+                                      "tensor by tensor)") from None
             t = self._convert(s, t.to(self.device))
             prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
             state[prefix][s.target[len(prefix) + 1:]] = t
