@@ -113,6 +113,9 @@ class Executor:
         self._t0 = time.perf_counter()
         self._local = threading.local()
         if self.device.type == "cuda":
+            # The allocator keeps statistics only once it has served an allocation on the device: resetting
+            # them before gives "Invalid device argument" (seen with torch 2.11 on an H200).
+            torch.empty(1, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
 
     # ---- running units -----------------------------------------------------------------------
