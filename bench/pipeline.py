@@ -95,8 +95,9 @@ def folder_bytes(p: Path) -> int:
 
 
 def tree_digest(p: Path) -> str:
-    """sha256 over every file (relative name + contents), files hashed in parallel."""
-    files = sorted(f for f in p.rglob("*") if f.is_file())
+    """sha256 over every file (relative name + contents), files hashed in parallel; the done record under
+    ``.cache/`` is left out (it digests the files' times, so it differs from run to run)."""
+    files = sorted(f for f in p.rglob("*") if f.is_file() and ".cache" not in f.relative_to(p).parts)
 
     def one(f: Path) -> str:
         h = hashlib.sha256()
@@ -258,7 +259,8 @@ def full_layer(args: argparse.Namespace) -> dict:
         print(f"  {name:15s} {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  {m['share_of_plain']:4.0%} of plain  "
               f"peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB", flush=True)
         # Free the disk: an input no later step reads goes now (the GPU machine has 64 GB).
-        later = {p for _, _, ins, _ in plan[i + 1:] for p in ins}
+        # (what a later step names on its command line counts too: megatron-to-hf's --reference)
+        later = {p for _, a, ins, _ in plan[i + 1:] for p in [*ins, *map(Path, a)]}
         for p in inputs:
             if p not in later and (p != bf16 or not args.keep):
                 shutil.rmtree(p, ignore_errors=True)
