@@ -46,8 +46,8 @@ from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PRE
 from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
-    Executor, Options, Result, Stage, Unit, World, assign, current_world, dense_units, device_kind, estimate,
-    run_staged, stack_units, to_host, write_hf,
+    Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate,
+    release_units, run_staged, to_host, write_hf,
 )
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
 from .requantize import TensorSource, read_dense
@@ -295,27 +295,11 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
-    """Units in output order: dense tensors whole (the inverse rules work on whole tensors), experts by slice."""
-    layers = m.cfg.num_hidden_layers
+    """Units in output order: dense tensors whole (the inverse rules work on whole tensors), experts by slice
+    (each reading its BF16 torch_dist chunk)."""
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
-    by_hf = {e.hf: e for e in m.entries()}
-    units: list[Unit] = []
-    dense: list[TensorSpec] = []
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.part is None:
-            dense.append(spec)
-            continue
-        base = spec.base or ""
-        if base in seen:
-            continue
-        seen.add(base)
-        units += dense_units(dense, slice_bytes, layers, row_reads=False)
-        dense = []
-        e = by_hf[base]
-        bf16 = e.shape[0] * e.shape[1] * e.shape[2] * 2
-        units += stack_units(stacks[base], slice_bytes, layers, read_bytes=bf16)
-    return units + dense_units(dense, slice_bytes, layers, row_reads=False)
+    bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
+    return release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16, row_reads=False)
 
 
 def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,

@@ -23,7 +23,7 @@ from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
-    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, dense_units, device_kind, estimate, stack_units, to_host, write_hf,
+    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, release_units, to_host, write_hf,
 )
 from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -121,25 +121,10 @@ def describe_requantize(src: TensorSource, plan: PrecisionPlan, *, command: str 
 
 def plan_units(src: TensorSource, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
     """The job's units in output order: each layer's dense tensors, then its experts slice by slice."""
-    layers = src.cfg.num_hidden_layers
     in_bytes = {st.name: sum(p.nbytes for p in st.parts()) for st in expert_stacks(src.cfg, src.plan)}
     stacks = {st.name: st for st in expert_stacks(src.cfg, plan)}
-    row_reads = getattr(src, "row_reads", True)
-    units: list[Unit] = []
-    dense: list[TensorSpec] = []
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.part is None:
-            dense.append(spec)
-            continue
-        base = spec.base
-        if base in seen:
-            continue
-        seen.add(base)  # type: ignore[arg-type]
-        units += dense_units(dense, slice_bytes, layers, row_reads=row_reads)
-        dense = []
-        units += stack_units(stacks[base], slice_bytes, layers, read_bytes=in_bytes[base])  # type: ignore[index]
-    return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+    return release_units(specs, stacks, slice_bytes, src.cfg.num_hidden_layers, stack_read_bytes=in_bytes,
+                         row_reads=getattr(src, "row_reads", True))
 
 
 def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex: Executor) -> Callable[[Unit], dict[str, torch.Tensor]]:

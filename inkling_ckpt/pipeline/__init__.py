@@ -5,7 +5,7 @@ How a command plugs in:
 1. Resolve the model side once (config, inventory, precision plan, key mapping) and plan its
    **units** from headers only: :class:`Unit` (``key``, ``where`` for progress, bytes read and
    written, the output ``pieces`` it produces, and the command's own ``data``).
-   :func:`dense_units` / :func:`stack_units` plan the usual ones for HF outputs.
+   :func:`release_units` (over :func:`dense_units` / :func:`stack_units`) plans the usual ones for HF outputs.
 2. Write a **transform** ``unit -> {tensor name: rows}``: it reads the unit's input (positioned
    reads), decodes / re-encodes / renames / slices on :attr:`Executor.device` and returns CPU
    tensors (:func:`to_host`). It must not write: it runs on worker threads, ahead of the writes.
@@ -27,12 +27,12 @@ from .executor import DEFAULT_SLICE_BYTES, Executor, Options, RankStats, Unit, c
 from .hf_out import piece_bytes, write_hf
 from .publish import Outcome, Stage, run_staged
 from .report import Result, gb
-from .units import dense_units, expert_slices, stack_units, where_of
+from .units import dense_units, expert_slices, release_units, stack_units, where_of
 from .world import World, all_ok, assign, broadcast, current_world, gather, launched_ranks, torchrun
 
 __all__ = [
     "DEVICES", "DEFAULT_SLICE_BYTES", "Executor", "Options", "Outcome", "RankStats", "Result", "Stage", "Unit", "World",
     "all_ok", "assign", "device_kind", "estimate", "broadcast", "cores", "current_world", "dense_units", "expert_slices", "gather", "gb",
-    "launched_ranks", "oom_as_error", "piece_bytes", "resolve_device", "run_staged", "stack_units", "to_host",
+    "launched_ranks", "oom_as_error", "piece_bytes", "release_units", "resolve_device", "run_staged", "stack_units", "to_host",
     "torchrun", "where_of", "write_hf",
 ]

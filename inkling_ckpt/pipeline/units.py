@@ -8,9 +8,9 @@ all of that slice's stored parts (the NVFP4 scalar denominator goes with the fir
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
-from ..model.inventory import ExpertStack, TensorSpec
+from ..model.inventory import ExpertStack, TensorSpec, is_vision
 from .executor import Unit
 
 
@@ -26,8 +26,7 @@ def where_of(spec: TensorSpec | ExpertStack, layers: int) -> str:
     layer = spec.layer
     if layer is not None:
         return f"layer {layer + 1} of {layers}"
-    name = spec.name
-    if "visual" in name or "vision" in name:
+    if is_vision(spec.name):
         return "vision tower"
     return "embeddings and head"
 
@@ -100,4 +99,26 @@ def stack_units(stack: ExpertStack, slice_bytes: int, layers: int, *, read_bytes
 
 
 
-__all__ = ["expert_slices", "where_of", "dense_units", "stack_units"]
+def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack], slice_bytes: int, layers: int, *,
+                  stack_read_bytes: Mapping[str, int], row_reads: bool = True) -> list[Unit]:
+    """The units of an HF output in inventory order: each run of dense tensors (``dense_units``), then
+    the stacked experts that follow it slice by slice (``stack_units`` of ``stacks[base]``, reading
+    ``stack_read_bytes[base]`` in all)."""
+    units: list[Unit] = []
+    dense: list[TensorSpec] = []
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.part is None:
+            dense.append(spec)
+            continue
+        base = spec.base or ""
+        if base in seen:
+            continue
+        seen.add(base)
+        units += dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+        dense = []
+        units += stack_units(stacks[base], slice_bytes, layers, read_bytes=stack_read_bytes[base])
+    return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+
+
+__all__ = ["expert_slices", "where_of", "dense_units", "stack_units", "release_units"]
