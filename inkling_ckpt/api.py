@@ -351,16 +351,22 @@ def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, 
 
 
 def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = None, exact: bool = False,
-           config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False) -> dict[str, Any]:
-    """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``)."""
+                   config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False,
+                   device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+    """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``).
+
+    Collective when the caller runs under torchrun: the ranks split the units, every rank returns
+    the whole report (rank 0 draws ``plot``)."""
     import math
 
+    from .pipeline import current_world
     from .verify.compare import build_report, compare, plot_report
 
     if min_sqnr is not None and not math.isfinite(min_sqnr):
         raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
-    rep = build_report(compare(a, b, progress=progress, config=config), min_sqnr=min_sqnr, exact=exact)
-    if plot is not None:
+    options = _options(device, slice_mb, workers, progress)
+    rep = build_report(compare(a, b, config=config, options=options), min_sqnr=min_sqnr, exact=exact)
+    if plot is not None and current_world().rank == 0:
         plot_report(rep, plot)
     return rep
 

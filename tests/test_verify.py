@@ -56,7 +56,10 @@ def test_report_schema(mixed_vs_bf16):
     rep = mixed_vs_bf16
     assert rep["schema"] == SCHEMA
     assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared",
-                        "rounding"}
+                        "rounding", "seconds", "bytes_read", "ranks"}
+    assert rep["ranks"]["count"] == 1 and rep["ranks"]["each"][0]["units"] > 1
+    both = sum(p.stat().st_size for v in ("tiny-bf16", "tiny-mixed") for p in (FIXTURES / v).glob("*.safetensors"))
+    assert 0.9 * both < rep["bytes_read"] <= both  # both sides read once (less their headers)
     assert rep["not_compared"] == {"only_a": [], "only_b": []}
     assert set(rep["a"]) == {"source", "layout", "variant", "precision_plan"}
     stats = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs", "rel_rmse",

@@ -735,6 +735,10 @@ def _format_counts(s: StreamedModel) -> dict[str, int]:
 
 
 def _device(device: str) -> torch.device:
+    if device == "auto":  # the CLI's shared --device default: CUDA when present
+        from ..pipeline import resolve_device
+
+        return resolve_device("auto")
     try:
         dev = torch.device(device)
     except RuntimeError:
