@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, free_port, same_files, subprocess_env
+from conftest import TINY, TINY_PLAN, free_port, same_files, subprocess_env
 from inkling_ckpt.errors import DeviceError
 from inkling_ckpt.pipeline import Executor, Options, Unit, resolve_device
 from inkling_ckpt.pipeline import executor as executor_mod
@@ -105,6 +106,20 @@ def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
     assert same_files(tmp_path / "a", tmp_path / "b") == []
     # The closing line: time, bytes read and written, rate; nothing claimed as resumed.
     assert "wrote" in out and " in " in out and "read " in out and "MB/s" in out and "resum" not in out
+
+
+def test_dense_tensors_cut_by_rows_keep_their_rows(tmp_path):
+    """A slice smaller than a dense tensor (the release's 1.9 GB embedding beside a 64 MiB slice):
+    each unit reads its own rows, once."""
+    from inkling_ckpt.convert.requantize import requantize
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.precision import PrecisionPlan
+
+    src = HFCheckpoint.open(TINY["bf16"])
+    plan = PrecisionPlan.parse(TINY_PLAN, src.cfg.num_hidden_layers)
+    requantize(src, tmp_path / "q", plan, max_shard_size="2MB",
+               options=Options(device="cpu", slice_bytes=64 * 1024, workers=2, progress=False))
+    assert same_files(TINY["mixed"], tmp_path / "q") == []
 
 
 # ---- unit-grain resume -----------------------------------------------------------------------------
@@ -207,6 +222,32 @@ def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
         assert all(0 < each["bytes_written"] < res["bytes"] for each in ranks["each"]), res
         assert sum(each["bytes_written"] for each in ranks["each"]) >= res["bytes"] * 0.95
     assert "2 ranks" in r.stdout
+
+
+def _run_free(rep: dict) -> dict:
+    """A verify report without what depends on the run (time, who did what)."""
+    return {k: v for k, v in rep.items() if k not in ("seconds", "ranks")}
+
+
+def test_two_ranks_verify_as_one_process_and_exit_alike(cli, tmp_path):
+    # mixed vs bf16: inexact experts (sums that would move with the order), exact dense tensors.
+    args = ["verify", str(TINY["bf16"]), str(TINY["mixed"]), "-q", "--device", "cpu", "--slice-mb", "1", "--json"]
+    code, out, err = cli(*args, "--workers", "1")
+    assert code == 0, err
+    one = json.loads(out)
+    r = _torchrun([[*args, "--workers", "2"], [*args, "--exact"]], tmp_path, "--keep-going")
+    assert r.returncode != 0  # the --exact job fails ...
+    # ... on both ranks (the ranks share stdout: their lines may interleave with the reports)
+    assert sorted(re.findall(r"RANK (\d) EXIT (\d)", r.stdout)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], \
+        r.stdout + r.stderr[-2000:]
+    two, failed = json.loads(r.stdout.split("RESULT ", 1)[1])  # rank 0's reports only: one per job
+    assert not failed["thresholds"]["passed"] and _run_free(failed)["summary"] == one["summary"]
+    assert _run_free(two) == _run_free(one)
+    assert one["ranks"]["count"] == 1 and two["ranks"]["count"] == 2
+    each = two["ranks"]["each"]
+    assert all(0 < e["units"] < one["ranks"]["each"][0]["units"] for e in each)  # a share each, not the whole job
+    assert sum(e["units"] for e in each) == one["ranks"]["each"][0]["units"]
+    assert sum(e["bytes_read"] for e in each) == two["bytes_read"] == one["bytes_read"]
 
 
 def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path):

@@ -152,8 +152,10 @@ def read_dense(src: Any, pieces: Sequence[tuple[str, int, int]]) -> dict[str, to
     """The rows of each piece of dense tensors, read as stored."""
     out: dict[str, torch.Tensor] = {}
     for name, a, b in pieces:
-        t = src.get(name) if a == 0 and (not getattr(src, "row_reads", True) or _whole(src, name, b)) \
-            else src.read_rows(name, a, b)
+        if getattr(src, "row_reads", True) and not (a == 0 and _whole(src, name, b)):
+            out[name] = src.read_rows(name, a, b)  # just these rows: not to be cut again
+            continue
+        t = src.get(name)
         out[name] = t[a:b] if t.dim() and (a, b) != (0, t.shape[0]) else t
     return out
 
