@@ -230,8 +230,14 @@ def _run_free(rep: dict) -> dict:
 
 
 def test_two_ranks_verify_as_one_process_and_exit_alike(cli, tmp_path):
-    # mixed vs bf16: inexact experts (sums that would move with the order), exact dense tensors.
-    args = ["verify", str(TINY["bf16"]), str(TINY["mixed"]), "-q", "--device", "cpu", "--slice-mb", "1", "--json"]
+    # mixed vs bf16: inexact experts, exact dense tensors. The small fixture's 512 x 512 experts make
+    # each stacked weight 16 units at a 1 MiB slice: sums that would move with the order of pooling.
+    for variant in ("bf16", "mixed"):
+        code, _, err = cli("make-fixture", tmp_path / variant, "--size", "small", "--layers", "2", "--variant", variant,
+                           "-q")
+        assert code == 0, err
+    args = ["verify", str(tmp_path / "bf16"), str(tmp_path / "mixed"), "-q", "--device", "cpu", "--slice-mb", "1",
+            "--json"]
     code, out, err = cli(*args, "--workers", "1")
     assert code == 0, err
     one = json.loads(out)

@@ -200,3 +200,19 @@ def test_the_report_is_the_same_on_the_gpu():
         gpu = build_report(compare(a, b, options=Options(device="cuda", progress=False)))
         assert gpu["ranks"]["each"][0]["device"].startswith("cuda")
         assert _run_free(gpu) == _run_free(cpu), pair
+
+
+def test_pieces_pool_in_plan_order_whatever_order_they_arrived_in():
+    from dataclasses import astuple
+
+    from inkling_ckpt.pipeline import Unit
+    from inkling_ckpt.verify.compare import Stats, _fold
+
+    # Σ over pieces in float64 is not associative: (1e16 + 1) - 1e16 == 0, (1e16 - 1e16) + 1 == 1.
+    signal = [1e16, 1.0, -1e16]
+    units = [Unit(f"u{i}") for i in range(3)]
+    done = {f"u{i}": [("w", astuple(Stats(tensors=1, elements=1, signal=signal[i], noise=1.0)), None)]
+            for i in (2, 0, 1)}  # as the ranks handed them back
+    (item,) = _fold([("w", "nvfp4", 0)], units, done)
+    assert item.stats.signal == (1e16 + 1.0) - 1e16 == 0.0
+    assert item.stats.elements == 3 and item.stats.tensors == 1 and item.verdict == "mismatch"
