@@ -373,8 +373,10 @@ def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = Non
 
 def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = None, random: int | None = None,
                    batch: int = 2, seed: int = 0, device: str = "cpu", dtype: str = "auto",
-                   max_kl: float | None = None, progress: bool = False) -> dict[str, Any]:
-    """Run both HF checkpoints through transformers' Inkling 2 model; KL, top-1 agreement, per-layer error."""
+                   max_kl: float | None = None, progress: bool = False, slice_mb: int = 64) -> dict[str, Any]:
+    """Run both HF checkpoints through transformers' Inkling 2 model; KL, top-1 agreement, per-layer error.
+
+    Routed experts run ``slice_mb`` MiB (BF16) of experts at a time, not a whole layer at once."""
     from .errors import ConfigError
     from .layouts.detect import HF, TORCH_DIST, detect_layout
 
@@ -397,7 +399,10 @@ def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = 
         ids = read_tokens(Path(tokens), vocab_size=int(_load_config(tf, a).get_text_config().vocab_size))
     elif random is None:
         random = 128
+    if int(slice_mb) < 1:
+        raise ConfigError(f"--slice-mb {slice_mb}: must be at least 1")
     return compare_forward(a, b, input_ids=ids, random=random, batch=batch, seed=seed, device=device, dtype=dtype,
+                           slice_bytes=int(slice_mb) * 2**20,
                            max_kl=max_kl, progress=progress, tokens_label=str(tokens) if tokens else None)
 
 

@@ -42,7 +42,8 @@ _HELP = "\n\n".join([
      f'state after that layer. Tokens: --tokens FILE (JSON list(s) of ids, or one sequence of ids per line) or '
      f'--random N (--batch sequences of N ids from --seed; the default is --random 128). --json: schema '
      f'{_FORWARD_SCHEMA} (inkling_ckpt/verify/forward.py); --max-kl fails (exit 1) above that KL. The model '
-     f'runs on --device (auto: CUDA when present), in one process.'),
+     f'runs on --device (auto: CUDA when present), in one process, each layer\'s routed experts --slice-mb '
+     f'at a time.'),
 ])
 
 
@@ -83,8 +84,7 @@ def verify_cmd(
 
     if forward:
         tensor_only = {"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
-                       "--config": config is not None, "--slice-mb": slice_mb != SLICE_MB.default,
-                       "--workers": workers != WORKERS.default}
+                       "--config": config is not None, "--workers": workers != WORKERS.default}
         given = [k for k, v in tensor_only.items() if v]
         if given:
             raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
@@ -97,7 +97,7 @@ def verify_cmd(
 
         with hub(revision, token):
             rep = api.verify_forward(a, b, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
-                                     dtype=dtype.value, max_kl=max_kl, progress=not quiet)
+                                     dtype=dtype.value, max_kl=max_kl, progress=not quiet, slice_mb=slice_mb)
         emit(rep, as_json, render_forward_report)
         if not rep["thresholds"]["passed"]:
             if as_json:
