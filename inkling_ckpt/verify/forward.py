@@ -634,7 +634,7 @@ def _sliceable(experts: torch.nn.Module, params: Mapping[str, _Source]) -> bool:
             and not getattr(experts, "has_post_expert_norm", True))
 
 
-def _sliced_experts_forward(experts: torch.nn.Module, grouped_linear: Callable,
+def _sliced_experts_forward(experts: Any, grouped_linear: Callable,
                             load_slice: Callable[[int, int], dict[str, torch.Tensor]], step: int,
                             hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
