@@ -216,3 +216,20 @@ def test_pieces_pool_in_plan_order_whatever_order_they_arrived_in():
     (item,) = _fold([("w", "nvfp4", 0)], units, done)
     assert item.stats.signal == (1e16 + 1.0) - 1e16 == 0.0
     assert item.stats.elements == 3 and item.stats.tensors == 1 and item.verdict == "mismatch"
+
+
+def test_forward_mode_refuses_torchrun_and_tensor_only_options(capsys, monkeypatch):
+    a = str(FIXTURES / "tiny-bf16")
+    code, _, err = _cli(["verify", a, a, "--forward", "--workers", "2", "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--workers does not apply with --forward" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun starts each rank
+    code, _, err = _cli(["verify", a, a, "--forward", "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "without torchrun" in err
+
+
+def test_text_report_says_how_it_ran(capsys):
+    code, out, _ = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(FIXTURES / "tiny-mixed"), "-q", "--device", "cpu",
+                         "--workers", "2"], capsys)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("read "))
+    assert " in " in line and "MB/s" in line and line.endswith("; cpu)") and "ranks" not in line
