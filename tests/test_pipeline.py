@@ -82,6 +82,46 @@ def test_run_counts_units_bytes_and_reused():
     assert s.where == ["layer 2 of 3", "layer 3 of 3"]
 
 
+def test_ranks_on_one_node_split_its_cores():
+    from inkling_ckpt.pipeline import share_cores
+
+    # (cores, local ranks, --workers, device) -> (workers, torch threads per worker)
+    assert share_cores(16, 1, 0, "cpu") == (4, 4)
+    assert share_cores(16, 2, 0, "cpu") == (4, 2)  # the node still runs 16 threads, not 32
+    assert share_cores(16, 4, 0, "cpu") == (4, 1)
+    assert share_cores(16, 8, 0, "cpu") == (2, 1)
+    assert share_cores(2, 1, 0, "cpu") == (2, 1)
+    assert share_cores(2, 2, 0, "cpu") == (1, 1)
+    assert share_cores(2, 4, 0, "cpu") == (1, 1)  # never below one
+    assert share_cores(16, 2, 3, "cpu") == (3, 2)  # --workers kept, threads from the rank's share
+    assert share_cores(16, 2, 16, "cpu") == (16, 1)
+    assert share_cores(16, 2, 0, "cuda") == (2, 1)
+    assert share_cores(16, 2, 5, "cuda") == (5, 1)
+
+
+def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):
+    from inkling_ckpt.pipeline import World
+
+    monkeypatch.setattr(executor_mod, "cores", lambda: 16)
+    one = Executor(Options(device="cpu", progress=False), world=World())
+    two = Executor(Options(device="cpu", progress=False), world=World(rank=1, size=2, local_rank=1, local_size=2))
+    assert (one.workers, one.threads) == (4, 4)
+    assert (two.workers, two.threads) == (4, 2)
+    seen: list[int] = []
+    list(two.map(range(6), lambda i: seen.append(torch.get_num_threads())))
+    assert set(seen) == {2}
+    assert two.stats.as_dict()["threads"] == 2  # in the report's "ranks"
+
+
+def test_local_ranks_come_from_torchrun(monkeypatch):
+    from inkling_ckpt.pipeline import local_ranks
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert local_ranks() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert local_ranks() == 1
+
+
 def test_device_choice():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -206,6 +246,8 @@ def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
         # Each rank did a share, not the whole job.
         assert all(0 < each["bytes_written"] < res["bytes"] for each in ranks["each"]), res
         assert sum(each["bytes_written"] for each in ranks["each"]) >= res["bytes"] * 0.95
+        # The two ranks on this node split its cores.
+        assert all(each["threads"] == max(1, executor_mod.cores() // 2 // each["workers"]) for each in ranks["each"])
     assert "2 ranks" in r.stdout
 
 
