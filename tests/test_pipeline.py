@@ -122,6 +122,35 @@ def test_local_ranks_come_from_torchrun(monkeypatch):
     assert local_ranks() == 1
 
 
+def test_every_executor_steadies_memory_once_per_process(monkeypatch):
+    from inkling_ckpt.pipeline import memory
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(memory, "_applied", False)
+    monkeypatch.setattr(memory, "_glibc", lambda: Libc())
+    Executor(Options(device="cpu", progress=False))
+    Executor(Options(device="cpu", progress=False))
+    assert calls == [(memory.M_MMAP_THRESHOLD, 1 << 20)]
+
+
+def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
+    from inkling_ckpt.pipeline import memory
+
+    def no_glibc(name: str) -> str:
+        raise ValueError(name)  # what os.confstr says where the C library is not glibc
+
+    monkeypatch.setattr(memory.os, "confstr", no_glibc)
+    assert memory._glibc() is None
+    monkeypatch.setattr(memory, "_applied", False)
+    memory.steady_memory()  # nothing to call, nothing raised
+
+
 def test_device_choice():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -25,6 +25,7 @@ import torch
 
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
+from .memory import steady_memory
 from .world import World, current_world, gather
 
 T = TypeVar("T")
@@ -116,6 +117,7 @@ class Executor:
     """Runs units for one command on one rank; see the module docstring."""
 
     def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None):
+        steady_memory()  # every command that streams tensors: freed slices go back to the OS
         self.options = options or Options()
         self.desc = desc
         self.world = world or current_world()
