@@ -176,6 +176,23 @@ def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
     assert "wrote" in out and " in " in out and "read " in out and "MB/s" in out and "resum" not in out
 
 
+def test_dense_tensors_cut_in_row_slices_keep_their_bytes(tmp_path):
+    """A dense tensor bigger than the slice (the real embeddings: 1.85 GB against 64 MiB) is read and
+    written in row slices; every slice must be its own rows (a slice past the first once came out
+    empty, and the writer refused the unfinished tensor). Tiny tensors cut with a 40 KiB slice."""
+    from inkling_ckpt.convert.requantize import requantize
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.precision import PrecisionPlan
+
+    src = HFCheckpoint.open(TINY["mixed"])
+    plan = PrecisionPlan.uniform("bf16", src.cfg.num_hidden_layers)
+    assert src.tensors["model.llm.embed.weight"].nbytes > 4 * 40 * 1024
+    for name, slice_bytes in (("whole", 64 * 2**20), ("rows", 40 * 1024)):
+        requantize(src, tmp_path / name, plan, max_shard_size="1MB",
+                   options=Options(device="cpu", slice_bytes=slice_bytes, workers=2, progress=False))
+    assert same_files(tmp_path / "whole", tmp_path / "rows") == []
+
+
 # ---- unit-grain resume -----------------------------------------------------------------------------
 
 
