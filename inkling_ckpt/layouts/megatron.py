@@ -934,7 +934,7 @@ def _blob_layout(f: Any, path: Path, offset: int, length: int, shape: tuple[int,
     if start + rec.file_size > length or t.untyped_storage().nbytes() != rec.file_size \
             or (last + 1) * dtype.itemsize > rec.file_size:
         return None
-    return _BlobLayout(path, offset + start, t.storage_offset(), tuple(t.stride()), dtype.itemsize)
+    return _BlobLayout(path, offset + start, int(t.storage_offset()), tuple(int(x) for x in t.stride()), dtype.itemsize)
 
 
 class TorchDistCheckpoint:
