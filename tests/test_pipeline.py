@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, TINY_PLAN, free_port, same_files, subprocess_env
+from conftest import TINY, free_port, same_files, subprocess_env
 from inkling_ckpt.errors import DeviceError
 from inkling_ckpt.pipeline import Executor, Options, Unit, resolve_device
 from inkling_ckpt.pipeline import executor as executor_mod
