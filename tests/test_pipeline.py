@@ -311,8 +311,8 @@ def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
 
 
 def test_two_ranks_write_big_tensors_in_row_ranges_as_one_process(cli, tmp_path, monkeypatch):
-    """The torch_dist layout of tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so the
-    tiny embeddings and attention weights are split) is the same from 1 and 2 ranks, both ways."""
+    """The torch_dist layout of global tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so
+    the tiny embeddings are split) is the same from 1 and 2 ranks, both ways."""
     from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
     from inkling_ckpt.model import mapping
 
