@@ -152,6 +152,19 @@ def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
     memory.steady_memory()  # nothing to call, nothing raised
 
 
+def test_each_local_rank_takes_its_own_gpu(monkeypatch):
+    """Under torchrun, --device cuda/auto is the rank's LOCAL_RANK GPU (modulo the GPUs there are)."""
+    from inkling_ckpt.pipeline import device as device_mod
+
+    monkeypatch.setattr(device_mod, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for local, want in (("0", 0), ("1", 1), ("3", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert resolve_device("cuda") == torch.device("cuda", want)
+        assert resolve_device("auto") == torch.device("cuda", want)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)  # an explicit GPU is kept
+
+
 def test_device_choice():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -331,8 +344,8 @@ def test_two_ranks_verify_as_one_process_and_exit_alike(cli, tmp_path):
 
 
 def test_two_ranks_write_big_tensors_in_row_ranges_as_one_process(cli, tmp_path, monkeypatch):
-    """The torch_dist layout of tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so the
-    tiny embeddings and attention weights are split) is the same from 1 and 2 ranks, both ways."""
+    """The torch_dist layout of global tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so
+    the tiny embeddings are split) is the same from 1 and 2 ranks, both ways."""
     from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
     from inkling_ckpt.model import mapping
 
