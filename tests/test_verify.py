@@ -233,3 +233,13 @@ def test_text_report_says_how_it_ran(capsys):
     assert code == 0
     line = next(x for x in out.splitlines() if x.startswith("read "))
     assert " in " in line and "MB/s" in line and line.endswith("; cpu)") and "ranks" not in line
+
+
+def test_decode_pieces_cover_the_slice_once(monkeypatch):
+    from inkling_ckpt.verify import compare as cmp
+
+    monkeypatch.setattr(cmp, "DECODE_ELEMENTS", 14)
+    assert cmp._decode_pieces((8, 2, 3), 5) == [(0, 2, 0, 2), (2, 4, 0, 2), (4, 5, 0, 2)]  # whole experts
+    assert cmp._decode_pieces((8, 5, 7), 2) == [(0, 1, 0, 2), (0, 1, 2, 4), (0, 1, 4, 5),   # row blocks
+                                                (1, 2, 0, 2), (1, 2, 2, 4), (1, 2, 4, 5)]
+    assert cmp._decode_pieces((8, 3, 20), 1) == [(0, 1, 0, 1), (0, 1, 1, 2), (0, 1, 2, 3)]  # at least a row

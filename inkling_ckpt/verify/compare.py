@@ -274,9 +274,10 @@ def _describe(src: Any, path: str | Path) -> dict[str, Any]:
 #: rounding names the ROUNDINGS entry an inexact piece equals exactly, else None. Plain tuples:
 #: they travel between ranks.
 Entry = tuple[str, tuple[Any, ...], "str | None"]
-#: Elements of experts decoded at once per side within a unit (float32: 64 MiB), whatever the
-#: device: a fixed cut, so the sums see the same pieces on the CPU and on a GPU.
-DECODE_ELEMENTS = 1 << 24
+#: Elements of experts decoded at once per side within a unit (float32: 16 MiB; a real expert's
+#: w13 is 21M elements, so it goes a block of rows at a time), whatever the device: a fixed cut,
+#: so the sums see the same pieces on the CPU and on a GPU.
+DECODE_ELEMENTS = 1 << 22
 
 
 def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
@@ -362,24 +363,36 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
     pa = ex.parts_to_device(read_parts(a, sa, first, last))
     pb = ex.parts_to_device(read_parts(b, sb, first, last))
     same = sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa)
-    step = max(1, DECODE_ELEMENTS // (sa.shape[1] * sa.shape[2]))
     out: list[Entry] = []
-    for i in range(0, last - first, step):
-        qa = _experts(pa, i, i + step)
+    for piece in _decode_pieces(sa.shape, last - first):
+        qa = _experts(pa, *piece)
         da = decode_stacked(sa.fmt, qa, torch.float32, name=sa.name, allow_nonfinite=True)
         if same:
             out.append((sa.name, astuple(exact_stats(da)), None))
             continue
-        qb = _experts(pb, i, i + step)
+        qb = _experts(pb, *piece)
         stats = tensor_stats(da, decode_stacked(sb.fmt, qb, torch.float32, name=sb.name, allow_nonfinite=True))
         del da
         out.append((sa.name, astuple(stats), None if stats.bit_exact_tensors else _bf16_decode(sa, qa, sb, qb)))
     return out
 
 
-def _experts(parts: dict[str, torch.Tensor], first: int, last: int) -> dict[str, torch.Tensor]:
-    """Experts ``first:last`` of a slice's parts (views; a scalar part is shared by every expert)."""
-    return {k: v[first:last] if v.dim() else v for k, v in parts.items()}
+def _decode_pieces(shape: tuple[int, int, int], experts: int) -> list[tuple[int, int, int, int]]:
+    """(first expert, last expert, first row, last row) of the pieces a slice of ``experts`` experts
+    of a stacked [E, rows, cols] weight is decoded in: whole experts while they fit
+    ``DECODE_ELEMENTS``, else one expert a block of rows at a time (at least one row)."""
+    _, rows, cols = shape
+    if rows * cols <= DECODE_ELEMENTS:
+        step = DECODE_ELEMENTS // (rows * cols)
+        return [(i, min(experts, i + step), 0, rows) for i in range(experts)[::step]]
+    block = max(1, DECODE_ELEMENTS // cols)
+    return [(i, i + 1, r, min(rows, r + block)) for i in range(experts) for r in range(0, rows, block)]
+
+
+def _experts(parts: dict[str, torch.Tensor], first: int, last: int, lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Experts ``first:last``, rows ``lo:hi`` of a slice's parts (views): weight and block scales by
+    experts and rows, a per-expert part (NVFP4 amax) by experts, a scalar shared by every expert."""
+    return {k: v[first:last, lo:hi] if v.dim() >= 2 else v[first:last] if v.dim() else v for k, v in parts.items()}
 
 
 def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
