@@ -4,7 +4,8 @@
 MXFP8, NVFP4), a sharded folder (``inkling-ckpt shard``) or a Megatron torch_dist folder (read
 back as release tensors through the key mapping, experts BF16: ``layouts.detect``). Routed
 experts are compared per stacked tensor (a layer's ``…mlp.experts.w13_weight`` / ``w2_weight``),
-each side decoded from its stored format to float32 a few experts at a time; every other tensor
+each side decoded from its stored format to float32 a few experts (or one expert's block of rows)
+at a time; every other tensor
 is compared as stored (BF16/F32, widened to float32). A torch_dist folder holds no vision tower:
 vision tensors only one side holds are listed under ``not_compared``, never silently dropped;
 any other tensor missing on one side is an error.
