@@ -454,6 +454,12 @@ def test_stacked_kernels_match_the_reference(name, opts, dtype, kernels):
     for out in (torch.bfloat16, torch.float32, torch.float16):
         dg = decode_stacked(name, got, out)
         assert _same_values(dg, _ref_stacked_decode(name, want, out)), f"decode {name} -> {out}"
+    if name == "nvfp4":  # one denominator per expert (allowed by the layout), not all the same
+        from inkling_ckpt.formats.stacked import DENOM
+
+        per = dict(want, **{DENOM: torch.linspace(2000.0, 3000.0, w.shape[0])})
+        dg = decode_stacked(name, {k: v.to(DEV) for k, v in per.items()}, torch.bfloat16)
+        assert _same_values(dg, _ref_stacked_decode(name, per, torch.bfloat16)), "per-expert denominators"
 
 
 @pytest.mark.parametrize("name,opts", STACKED, ids=STACKED_IDS)
@@ -544,7 +550,7 @@ def test_stacked_dispatch_is_batched(monkeypatch):
     from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
 
     calls = []
-    for fn in ("group_amax", "nvfp4_encode", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
+    for fn in ("group_amax", "nvfp4_encode", "nvfp4_encode_from_amax", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
         orig = getattr(ops, fn)
 
         def wrap(*a, _orig=orig, _fn=fn, **k):
@@ -555,4 +561,4 @@ def test_stacked_dispatch_is_batched(monkeypatch):
     w = _experts(e=7).to(DEV)
     for name in ("nvfp4", "mxfp8"):
         decode_stacked(name, encode_stacked(name, w))
-    assert calls == ["group_amax", "nvfp4_encode", "nvfp4_decode", "mxfp8_encode", "mxfp8_decode"], calls
+    assert calls == ["group_amax", "nvfp4_encode_from_amax", "nvfp4_decode", "mxfp8_encode", "mxfp8_decode"], calls

@@ -72,10 +72,11 @@ def _e4m3_value(byte):
 
 
 @triton.jit
-def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl.constexpr, IN_BF16: tl.constexpr):
+def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl.constexpr, IN_BF16: tl.constexpr,
+                      BAD_STRIDE: tl.constexpr):
     """amax_ptr[g] = max |x| over the finite elements of group g (int32 bits of a float32,
     combined with atomic max: non-negative floats order like their bits); bad_ptr[g] = 1 when
-    the group holds a NaN or +-Inf."""
+    the group holds a NaN or +-Inf (bad_ptr[0] for every group with BAD_STRIDE 0)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     base = g.to(tl.int64) * N
@@ -92,7 +93,7 @@ def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl
     mx = tl.max(acc, axis=0)
     tl.atomic_max(amax_ptr + g, mx.to(tl.int32, bitcast=True))
     anybad = tl.max(bad, axis=0)
-    tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)
+    tl.atomic_max(bad_ptr + g * BAD_STRIDE, anybad, mask=anybad > 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -100,7 +101,30 @@ def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl
 
 
 @triton.jit
-def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constexpr, IN_BF16: tl.constexpr):
+def _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
+    """The group's weight_scale_2: ``s2_ptr[g]``, or with FROM_AMAX computed from the group's
+    global amax (what s2_ptr then holds) as the reference does: f32(amax) / 2688 (IEEE division),
+    an amax below 2^-126 taken as 1.0. The first program of the group then stores the amax used
+    (``used_ptr[g]``), the first group's the denominator (``den_ptr``); CHECK_AMAX sets
+    ``bad_ptr[1]`` where the given amax is not finite and > 0. Saves the host three launches."""
+    v = tl.load(s2_ptr + g)
+    s2 = v
+    if FROM_AMAX:
+        used = tl.where(v < 1.1754943508222875e-38, 1.0, v)
+        s2 = tl.math.div_rn(used, tl.full([], 2688.0, tl.float32))
+        first = pid == 0
+        tl.store(used_ptr + g, used, mask=first)
+        tl.store(den_ptr, tl.full([], 2688.0, tl.float32), mask=first & (g == 0))
+        if CHECK_AMAX:
+            ok = (v > 0.0) & (v < float("inf"))  # False for NaN
+            tl.atomic_max(bad_ptr + 1, tl.full([], 1, tl.int32), mask=first & ~ok)
+    return s2
+
+
+
+@triton.jit
+def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, N, NB: tl.constexpr,
+                        IN_BF16: tl.constexpr, FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
     """One pass: block amax -> E4M3 block scale -> E2M1 codes -> packed nibbles.
 
     x: [G, N] (bf16/fp16/fp32); s2_ptr: float32 [G] (weight_scale_2 of each group);
@@ -115,7 +139,7 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
     gbase = g.to(tl.int64) * N
     offs = gbase + blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     x = _load_f32(x_ptr, offs, bmask[:, None], IN_BF16)
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
 
     a = tl.abs(x)
     fin = a < float("inf")
@@ -152,23 +176,42 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
     tl.atomic_max(bad_ptr, anybad, mask=anybad > 0)
 
 
+
 @triton.jit
-def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, N,
-                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr):
+def _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr,
+                  BAD_FROM: tl.constexpr):
+    """The decode's per-group factor: s2_ptr[g], or with FROM_AMAX amax / denominator (one IEEE
+    division, as the reference), the first program of the group flagging a factor that is not
+    finite and > 0 when BAD_FROM > 0."""
+    f = tl.load(s2_ptr + g)
+    if FROM_AMAX:
+        f = tl.math.div_rn(f, tl.load(den_ptr + g * DEN_STRIDE))
+        if BAD_FROM > 0:
+            ok = (f > 0.0) & (f < float("inf"))  # False for NaN
+            tl.atomic_max(bad_ptr, tl.full([], 1, tl.int32), mask=(pid == 0) & ~ok)
+    return f
+
+
+@triton.jit
+def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, den_ptr, N,
+                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr,
+                        FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr):
     """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16).
 
     FACTOR_LAST: out = (e2m1(nibble) * f32(scale)) * s2 instead, the order of the stacked release
     experts (transformers' Inkling2LoopDequantizeExperts; s2 = amax / denominator): the first
     product is exact, the second one rounding, so the two orders differ in the last bit at times.
     BAD_FROM > 0: bad_ptr (int32 [1]) is set to 1 when a block's scale byte is >= BAD_FROM (the
-    caller's validity check, done on the bytes the decode reads anyway)."""
+    caller's validity check, done on the bytes the decode reads anyway). FROM_AMAX: s2_ptr holds
+    each group's amax and den_ptr the denominator(s) (DEN_STRIDE 0: one for all groups): the
+    factor is their IEEE quotient, flagged in bad_ptr (BAD_FROM > 0) unless finite and > 0."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = N // 16
     blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
     bmask = blk < nblk
     gbase = g.to(tl.int64) * N
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, DEN_STRIDE, BAD_FROM)
     sbyte = tl.load(sc_ptr + (gbase // 16) + blk, mask=bmask, other=0).to(tl.int32)
     if BAD_FROM > 0:
         tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
@@ -347,7 +390,8 @@ def _absbits_max(w):
 
 
 @triton.jit
-def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr):
+def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, NW, NB: tl.constexpr,
+                             FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
     """NVFP4 encode of bf16 data seen as int32 words. x: [G, NW] int32 (NW = N/2); w: [G, NW/8]
     int64 (8 packed bytes per block); sc: uint8 [G, NW/8]; s2: float32 [G]; bad: int32 [1]."""
     pid = tl.program_id(0)
@@ -359,7 +403,7 @@ def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.c
     base = row[:, None] * 8 + tl.arange(0, 4)[None, :]
     wa = tl.load(x_ptr + base, mask=bmask[:, None], other=0)
     wb = tl.load(x_ptr + base + 4, mask=bmask[:, None], other=0)
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
 
     mbits = tl.maximum(_absbits_max(wa), _absbits_max(wb))
     badblk = mbits >= 0x7F800000  # NaN or Inf in the block
@@ -475,7 +519,8 @@ def mxfp8_encode_bf16_kernel(x_ptr, q_ptr, sc_ptr, bad_ptr, NW, ELEM_MAX: tl.con
 
 
 @triton.jit
-def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                           BAD_STRIDE: tl.constexpr):
     """group_amax_kernel for bf16 data seen as int32 words (two elements each): integer max of
     the |element| bits, finite elements only, and a non-finite flag; x: [G, NW]."""
     pid = tl.program_id(0)
@@ -493,7 +538,7 @@ def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TI
         acc = tl.maximum(acc, tl.maximum(tl.where(lo < 0x7F800000, lo, 0), tl.where(hi < 0x7F800000, hi, 0)))
     tl.atomic_max(amax_ptr + g, tl.max(acc, axis=0))
     anybad = (tl.max(raw, axis=0) >= 0x7F800000).to(tl.int32)
-    tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)
+    tl.atomic_max(bad_ptr + g * BAD_STRIDE, anybad, mask=anybad > 0)
 
 
 @triton.jit
@@ -640,8 +685,9 @@ def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: 
 
 
 @triton.jit
-def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr, ITERS: tl.constexpr,
-                                  HW: tl.constexpr):
+def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, NW, NB: tl.constexpr,
+                                  ITERS: tl.constexpr, HW: tl.constexpr, FROM_AMAX: tl.constexpr,
+                                  CHECK_AMAX: tl.constexpr):
     """nvfp4_encode_bf16_kernel over ITERS tiles per program (loads of the next tile in flight
     while one is computed), with a cheaper path for the usual global scales.
 
@@ -656,7 +702,7 @@ def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB:
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = NW // 8
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
     six_s2 = s2 * 6.0
     y6 = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), tl.full([NB], 1.0, tl.float32) * six_s2)
     if (s2 >= 8.673617379884035e-19) & (s2 <= 8192.0):
