@@ -294,6 +294,35 @@ def test_decode_any_bytes(name, opts):
         assert _same_values(got, want), f"{name}{opts} decode -> {dt}"
 
 
+def test_nvfp4_decode_bf16_block_tables():
+    """The BF16 NVFP4 decode builds per-block value tables where every product stays normal and
+    falls back to per-element math elsewhere: all codes, valid scales, global factors from
+    subnormal-making to near-overflow (constant-scale groups put whole programs right at the
+    limits), both multiplication orders, against the reference."""
+    from inkling_ckpt.formats import stacked
+    from inkling_ckpt.formats.gpu import ops
+
+    g = torch.Generator().manual_seed(11)
+    groups, n = 10, 16 * 128 * 3  # three programs of 128 blocks per group
+    w = torch.randint(0, 256, (groups, n // 2), generator=g, dtype=torch.uint8)
+    sc = torch.randint(1, 0x7F, (groups, n // 16), generator=g, dtype=torch.uint8)
+    s2 = torch.tensor([1e-3, 3.7e-7, 2.0**-120, 2.0**-131, 2.0**118, 1.3 * 2.0**-123, 1.9 * 2.0**125,
+                       1.3 * 2.0**-124, 1.9 * 2.0**126, 2.0**-10], dtype=torch.float32)
+    sc[5:9] = 0x38  # scale 1.0: A = s2 exactly at the table path's exponent limits (in, out, in, out)
+    sc[9] = 0x7E  # 448
+    f8 = sc.view(torch.float8_e4m3fn)
+    fmt = get_format("nvfp4")
+    for factor_last in (False, True):
+        got = ops.nvfp4_decode(w.to(DEV), f8.to(DEV), s2.to(DEV), torch.bfloat16, factor_last=factor_last).cpu()
+        with gpu.kernels_disabled():
+            if factor_last:
+                want = stacked._decode_nvfp4_reference(w.view(groups, 1, -1), f8.view(groups, 1, -1), s2, torch.bfloat16)
+            else:
+                want = torch.stack([fmt.decode({"weight": w[i].view(1, -1), "weight_scale": f8[i].view(1, -1),
+                                                "weight_scale_2": s2[i]}, torch.bfloat16) for i in range(groups)])
+        assert _same_values(got, want.view(groups, n)), f"factor_last={factor_last}"
+
+
 # -- grouped ops (what the weight sync uses) --------------------------------------------------
 
 

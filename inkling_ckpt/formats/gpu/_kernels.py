@@ -709,3 +709,141 @@ def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_pt
         _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, True, NB, ITERS, HW)
     else:
         _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, False, NB, ITERS, HW)
+
+
+# ----------------------------------------------------------------------------------------
+# NVFP4 decode to BF16 without per-element arithmetic. In a block every output is one of 16
+# values: (e2m1 * scale) * s2 rounded to float32, then to BF16 (or e2m1 * (scale * s2) in the
+# other order). With A = the value for e2m1 = 1 and B = the one for 1.5, both rounded as the
+# reference rounds them, the value for 0.5, 2, 4 is A times that power of two and for 3, 6 B
+# times 2 or 4: exact scalings, so they round the same, whenever A and B (as BF16) have
+# exponents in [4, 252] (nothing nears the subnormal range or overflows). Such a block's eight BF16 magnitudes
+# then form a byte table (low bytes, high bytes: two 8-byte tables), looked up four elements
+# at a time by PRMT, the sign bit ORed in. A program whose blocks are not all like that (zero,
+# negative or NaN scales, extreme global factors) takes the float path, element by element.
+
+
+@triton.jit
+def _prmt(a, b, c, HW: tl.constexpr):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (c >> 4i) & 7 of the pair
+    (b:a), or with bit 3 of that nibble set, its top bit replicated. Shifts when not HW."""
+    if HW:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        r = tl.zeros(a.shape, tl.int32)
+        for i in tl.static_range(4):
+            sel = (c >> (4 * i)) & 0xF
+            idx = sel & 7
+            src = tl.where(idx < 4, a, b)
+            byte = (src >> (8 * (idx & 3))) & 0xFF
+            byte = tl.where(sel >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+            r = r | (byte << (8 * i))
+        return r
+
+
+@triton.jit
+def _bf16_bits(v):
+    """BF16 bits (int32, 0..0xFFFF) of float32 v, round to nearest even (finite v; Inf stays Inf)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def _nv_dec_word(x, tl0, tl1, th0, th1, HW: tl.constexpr):
+    """Four output words (two BF16 each) of one input word x (eight nibbles) from the block's
+    byte tables (magnitude k: low byte k of tl1:tl0, high byte k of th1:th0)."""
+    k = x & 0x77777777
+    k2 = (k >> 16) & 0xFFFF
+    l03 = _prmt(tl0, tl1, k, HW)
+    h03 = _prmt(th0, th1, k, HW)
+    l47 = _prmt(tl0, tl1, k2, HW)
+    h47 = _prmt(th0, th1, k2, HW)
+    xs = x << 4  # element 2j's sign (bit 3 of byte j) at bit 7 of byte j; element 2j+1's is already there
+    o0 = _prmt(l03, h03, tl.full(x.shape, 0x5140, tl.int32), HW)
+    o1 = _prmt(l03, h03, tl.full(x.shape, 0x7362, tl.int32), HW)
+    o2 = _prmt(l47, h47, tl.full(x.shape, 0x5140, tl.int32), HW)
+    o3 = _prmt(l47, h47, tl.full(x.shape, 0x7362, tl.int32), HW)
+    # sign words: byte 1 replicates the top bit of xs's byte j, byte 3 that of x's byte j
+    m = -2147450880  # 0x80008000
+    o0 = o0 | (_prmt(xs, x, tl.full(x.shape, 0xC080, tl.int32), HW) & m)
+    o1 = o1 | (_prmt(xs, x, tl.full(x.shape, 0xD090, tl.int32), HW) & m)
+    o2 = o2 | (_prmt(xs, x, tl.full(x.shape, 0xE0A0, tl.int32), HW) & m)
+    o3 = o3 | (_prmt(xs, x, tl.full(x.shape, 0xF0B0, tl.int32), HW) & m)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
+    """[NB, 8] from eight [NB] vectors, in that order."""
+    nb: tl.constexpr = o0.shape[0]
+    x = tl.reshape(tl.join(tl.join(o0, o4), tl.join(o2, o6)), [nb, 4])  # o0, o2, o4, o6
+    y = tl.reshape(tl.join(tl.join(o1, o5), tl.join(o3, o7)), [nb, 4])  # o1, o3, o5, o7
+    return tl.reshape(tl.join(x, y), [nb, 8])
+
+
+@triton.jit
+def nvfp4_decode_bf16_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, den_ptr, NBLK,
+                             NB: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr,
+                             FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
+    """nvfp4_decode_kernel to BF16 with the packed weight as int64 (w: [G, NBLK], one per block of
+    16) and the output as int32 words (out: [G, 8 * NBLK], two BF16 each); same results, bit for
+    bit (see the section comment above). EVEN: NBLK is a multiple of NB (no masks)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < NBLK
+    row = g.to(tl.int64) * NBLK + blk
+    s2 = _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, DEN_STRIDE, BAD_FROM)
+    if EVEN:
+        sbyte = tl.load(sc_ptr + row).to(tl.int32)
+        x64 = tl.load(w_ptr + row)
+    else:
+        sbyte = tl.load(sc_ptr + row, mask=bmask, other=0).to(tl.int32)
+        x64 = tl.load(w_ptr + row, mask=bmask, other=0)
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
+    wa = x64.to(tl.int32)  # low word: elements 0-7
+    wb = (x64 >> 32).to(tl.int32)
+    sval = _e4m3_value(sbyte & 0x7F)
+    a32 = sval * s2
+    if FACTOR_LAST:
+        b32 = (sval * 1.5) * s2
+    else:
+        b32 = a32 * 1.5
+    a16 = _bf16_bits(a32)
+    b16 = _bf16_bits(b32)
+    ea = a16 >> 7
+    eb = b16 >> 7
+    sane = (sbyte < 0x7F) & (ea >= 4) & (ea <= 252) & (eb >= 4) & (eb <= 252)
+    offs = row[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if tl.min((sane | ~bmask).to(tl.int32), axis=0) > 0:
+        la = a16 & 0xFF
+        lb = b16 & 0xFF
+        ha = a16 >> 8
+        hb = b16 >> 8
+        # magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 -> 0, A/2, A, B | 2A, 2B, 4A, 4B (BF16 bits)
+        tl0 = ((la ^ 0x80) << 8) | (la << 16) | (lb << 24)
+        tl1 = (la ^ 0x80) | ((lb ^ 0x80) << 8) | (la << 16) | (lb << 24)
+        th0 = (((a16 - 128) >> 8) << 8) | (ha << 16) | (hb << 24)
+        th1 = ((a16 + 128) >> 8) | (((b16 + 128) >> 8) << 8) | ((ha + 1) << 16) | ((hb + 1) << 24)
+        o0, o1, o2, o3 = _nv_dec_word(wa, tl0, tl1, th0, th1, HW)
+        o4, o5, o6, o7 = _nv_dec_word(wb, tl0, tl1, th0, th1, HW)
+        out = _join8(o0, o1, o2, o3, o4, o5, o6, o7)
+        if EVEN:
+            tl.store(out_ptr + offs, out)
+        else:
+            tl.store(out_ptr + offs, out, mask=bmask[:, None])
+    else:
+        sv = tl.load(e4m3_ptr + sbyte)  # any byte (NaN, negative), as the generic kernel
+        words = tl.join(wa, wb)  # [NB, 2]
+        nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+        vals = tl.reshape(tl.load(e2m1_ptr + nib), [NB, 16])
+        if FACTOR_LAST:
+            v = (vals * sv[:, None]) * s2
+        else:
+            eff = sv * s2
+            v = vals * eff[:, None]
+        b = tl.where(v != v, 0x7FC0, _bf16_bits(v))
+        lo, hi = tl.split(tl.reshape(b, [NB, 8, 2]))
+        tl.store(out_ptr + offs, lo | (hi << 16), mask=bmask[:, None])

@@ -28,6 +28,9 @@ _MAX_GRID_Y = 65535
 #: ones (tests run both). Hardware FP8 casts are used except in Triton's interpreter.
 BF16_FAST = True
 NVFP4_BF16 = {"NB": 128, "num_warps": 4, "ITERS": 8}  # ITERS 0: the one-tile kernel
+#: NVFP4 decode to BF16 by per-block byte tables (``nvfp4_decode_bf16_kernel``); False: the generic kernel.
+DEC_BF16_FAST = True
+NVFP4_DEC_BF16 = {"NB": 128, "num_warps": 4}
 MXFP8_BF16 = {"NB": 128, "num_warps": 4}
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -258,14 +261,26 @@ def nvfp4_decode(w: torch.Tensor, sc: torch.Tensor, s2: torch.Tensor | None, dty
     if s2.numel() != g:
         raise ValueError(f"{s2.numel()} global scales for {g} groups")
     out = _out_buffer(out, g, n, dtype, w.device)
-    if n:
+    e2 = decode_table(E2M1, w.device)
+    e4 = decode_table(E4M3, w.device)
+    flag = e4 if bad is None else bad  # an unused pointer without bad
+    if n and DEC_BF16_FAST and dtype == torch.bfloat16 and w.storage_offset() % 8 == 0 and out.storage_offset() % 2 == 0:
+        ww, ow = w.view(torch.int64), out.view(torch.int32)  # one block's 8 packed bytes; 2 BF16 per word
+        c = NVFP4_DEC_BF16
+        nblk = n // 16
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(nblk, c["NB"]), g1 - g0)
+            K.nvfp4_decode_bf16_kernel[grid](ww[g0:g1], sc.view(torch.uint8)[g0:g1], s2[g0:g1], e2, e4, ow[g0:g1], flag,
+                                             den[g0 * den_stride:], nblk, NB=c["NB"], FACTOR_LAST=bool(factor_last),
+                                             BAD_FROM=0 if bad is None else 0x7F, FROM_AMAX=from_amax,
+                                             DEN_STRIDE=den_stride, HW=not _INTERPRETING, EVEN=nblk % c["NB"] == 0,
+                                             num_warps=c["num_warps"])
+    elif n:
         nb = DEC["NB"]
-        e2 = decode_table(E2M1, w.device)
-        e4 = decode_table(E4M3, w.device)
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 16, nb), g1 - g0)
             K.nvfp4_decode_kernel[grid](w[g0:g1], sc.view(torch.uint8)[g0:g1], s2[g0:g1], e2, e4, _out(out[g0:g1]),
-                                        e4 if bad is None else bad, den[g0 * den_stride:], n, NB=nb,
+                                        flag, den[g0 * den_stride:], n, NB=nb,
                                         OUT_KIND=_OUT_KIND[dtype], FACTOR_LAST=bool(factor_last),
                                         BAD_FROM=0 if bad is None else 0x7F, FROM_AMAX=from_amax,
                                         DEN_STRIDE=den_stride, num_warps=DEC["num_warps"])
