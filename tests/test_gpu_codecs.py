@@ -323,6 +323,29 @@ def test_nvfp4_decode_bf16_block_tables():
         assert _same_values(got, want.view(groups, n)), f"factor_last={factor_last}"
 
 
+def test_mxfp8_decode_bf16_rebiased():
+    """The BF16 MXFP8 (E4M3) decode re-biases exponents where every product is a normal BF16 value
+    (scale bytes 15..246) and falls back to per-element math elsewhere: every element byte,
+    constant-scale groups at and beyond the limits, a group with a NaN element, against the reference."""
+    from inkling_ckpt.formats.gpu import ops
+
+    g = torch.Generator().manual_seed(12)
+    scales = [127, 15, 14, 246, 247, 10, 0, 200, 127]
+    groups, n = len(scales), 32 * 256 * 2
+    q = torch.randint(0, 256, (groups, n), generator=g, dtype=torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3C  # no NaN elements (but in the last group)
+    q[:, :256] = torch.arange(256, dtype=torch.uint8)  # every byte once per group...
+    q[:-1, 0x7F] = 0x00
+    q[:-1, 0xFF] = 0x80
+    sc = torch.tensor(scales, dtype=torch.uint8)[:, None].expand(groups, n // 32).contiguous()
+    sc[0, 5] = 126  # a varying scale inside one group
+    fmt = get_format("mxfp8")
+    got = ops.mxfp8_decode(q.view(torch.float8_e4m3fn).to(DEV), sc.to(DEV), "e4m3", torch.bfloat16).cpu()
+    with gpu.kernels_disabled():
+        want = fmt.decode({"weight": q.view(torch.float8_e4m3fn), "weight_scale": sc}, torch.bfloat16)
+    assert _same_values(got, want)
+
+
 # -- grouped ops (what the weight sync uses) --------------------------------------------------
 
 

@@ -847,3 +847,89 @@ def nvfp4_decode_bf16_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr,
         b = tl.where(v != v, 0x7FC0, _bf16_bits(v))
         lo, hi = tl.split(tl.reshape(b, [NB, 8, 2]))
         tl.store(out_ptr + offs, lo | (hi << 16), mask=bmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------
+# MXFP8 (E4M3) decode to BF16 without a table per element. For a scale byte s in [15, 246],
+# e4m3 * 2^(s - 127) is a normal BF16 value for every finite E4M3 element (|e4m3| in [2^-9, 448]),
+# so the reference's float32 product and BF16 cast are exact: the result is the element's
+# half-precision bits (the hardware's exact E4M3 -> F16 conversion, two at a time) with the
+# exponent re-biased by s - 15 and the mantissa cut to 7 bits (E4M3 has 3), zeros kept, signs
+# kept. Two elements per 32-bit operation. A program with a scale outside that range or a NaN
+# element takes the float path.
+
+
+@triton.jit
+def _e4m3x2_f16(p, HW: tl.constexpr):
+    """F16 bits of the two E4M3 bytes in the low 16 bits of p (the first in the low half), for
+    non-NaN bytes; exact (every E4M3 value is an F16 value)."""
+    if HW:
+        return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [p],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b0 = p & 0xFF
+        b1 = (p >> 8) & 0xFF
+        return _e4m3_f16_bits(b0) | (_e4m3_f16_bits(b1) << 16)
+
+
+@triton.jit
+def _e4m3_f16_bits(b):
+    """F16 bits of one non-NaN E4M3 byte (the shift path of _e4m3x2_f16)."""
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = ((e + 8) << 10) | (m << 7)
+    # subnormal m * 2^-9: through float32 (exact), then F16 bits of that normal value
+    f = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    sub = tl.where(m == 0, 0, (((f >> 23) - 112) << 10) | ((f >> 13) & 0x3FF))
+    return tl.where(e == 0, sub, normal) | ((b & 0x80) << 8)
+
+
+@triton.jit
+def _mx_bf16_pair(p, k, HW: tl.constexpr):
+    """Word of two BF16 (first element low) of the E4M3 pair in p's low 16 bits, scaled by
+    2^(s - 127), k = (s - 15) << 7 (s in [15, 246]): exponent re-biased in both lanes at once."""
+    h = _e4m3x2_f16(p, HW)
+    v = (h >> 3) & 0x0FFF0FFF  # exponent and top 7 mantissa bits per lane, signs dropped
+    nz = ((v + 0x7FFF7FFF) >> 15) & 0x00010001  # lanes holding a non-zero value
+    return (v + nz * k) | (h & -2147450880)  # + k per non-zero lane (no carry: lanes stay < 2^15); signs
+
+
+@triton.jit
+def mxfp8_decode_bf16_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, bad_ptr, NBLK, NB: tl.constexpr,
+                             BAD_FROM: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
+    """mxfp8_decode_kernel for E4M3 elements to BF16, the elements as int32 words (q: [G, 8 * NBLK],
+    four per word) and the output as int32 words (out: [G, 16 * NBLK], two BF16 each); same
+    results, bit for bit (see the section comment above). EVEN: NBLK is a multiple of NB."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < NBLK
+    row = g.to(tl.int64) * NBLK + blk
+    qoffs = row[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if EVEN:
+        sbyte = tl.load(sc_ptr + row).to(tl.int32)
+        x = tl.load(q_ptr + qoffs)
+    else:
+        sbyte = tl.load(sc_ptr + row, mask=bmask, other=0).to(tl.int32)
+        x = tl.load(q_ptr + qoffs, mask=bmask[:, None], other=0)
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
+    nan = tl.max((((x & 0x7F7F7F7F) + 0x01010101) & -2139062144) != 0, axis=1)  # some byte is 0x7F / 0xFF
+    sane = (sbyte >= 15) & (sbyte <= 246) & ~nan
+    ooffs = row[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if tl.min((sane | ~bmask).to(tl.int32), axis=0) > 0:
+        k = ((sbyte - 15) << 7)[:, None]
+        lo = _mx_bf16_pair(x, k, HW)  # elements 0, 1 of each word
+        hi = _mx_bf16_pair(x >> 16, k, HW)  # elements 2, 3
+        out = tl.reshape(tl.join(lo, hi), [NB, 16])
+        if EVEN:
+            tl.store(out_ptr + ooffs, out)
+        else:
+            tl.store(out_ptr + ooffs, out, mask=bmask[:, None])
+    else:
+        s = tl.load(e8m0_ptr + sbyte)
+        byte = (x[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # [NB, 8, 4]
+        v = tl.reshape(tl.load(elem_ptr + byte), [NB, 32]) * s[:, None]
+        b = tl.where(v != v, 0x7FC0, _bf16_bits(v))
+        lo2, hi2 = tl.split(tl.reshape(b, [NB, 16, 2]))
+        tl.store(out_ptr + ooffs, lo2 | (hi2 << 16), mask=bmask[:, None])

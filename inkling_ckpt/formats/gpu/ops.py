@@ -28,9 +28,11 @@ _MAX_GRID_Y = 65535
 #: ones (tests run both). Hardware FP8 casts are used except in Triton's interpreter.
 BF16_FAST = True
 NVFP4_BF16 = {"NB": 128, "num_warps": 4, "ITERS": 8}  # ITERS 0: the one-tile kernel
-#: NVFP4 decode to BF16 by per-block byte tables (``nvfp4_decode_bf16_kernel``); False: the generic kernel.
+#: NVFP4 decode to BF16 by per-block byte tables (``nvfp4_decode_bf16_kernel``); False: the generic kernels.
 DEC_BF16_FAST = True
 NVFP4_DEC_BF16 = {"NB": 128, "num_warps": 4}
+#: MXFP8 (E4M3) decode to BF16 by exponent re-biasing (``mxfp8_decode_bf16_kernel``), under the same switch.
+MXFP8_DEC_BF16 = {"NB": 64, "num_warps": 4}
 MXFP8_BF16 = {"NB": 128, "num_warps": 4}
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
@@ -293,10 +295,21 @@ def mxfp8_decode(q: torch.Tensor, sc: torch.Tensor, element: str, dtype: torch.d
     ``bad``: int32 [1] set to 1 where a scale byte is 0xFF, E8M0 NaN)."""
     g, n = _groups(q, 32)
     out = _out_buffer(out, g, n, dtype, q.device)
-    if n:
+    et = decode_table(_ELEM[element][0], q.device)
+    st = decode_table(E8M0, q.device)
+    if (n and DEC_BF16_FAST and dtype == torch.bfloat16 and element == "e4m3" and q.storage_offset() % 4 == 0
+            and out.storage_offset() % 2 == 0):
+        c = MXFP8_DEC_BF16
+        nblk = n // 32
+        qw, ow = q.view(torch.uint8).view(torch.int32), out.view(torch.int32)  # 4 elements / 2 BF16 per word
+        for g0, g1 in _group_slices(g):
+            grid = (triton.cdiv(nblk, c["NB"]), g1 - g0)
+            K.mxfp8_decode_bf16_kernel[grid](qw[g0:g1], sc.view(torch.uint8)[g0:g1], et, st, ow[g0:g1],
+                                             st if bad is None else bad, nblk, NB=c["NB"],
+                                             BAD_FROM=0 if bad is None else 0xFF, HW=not _INTERPRETING,
+                                             EVEN=nblk % c["NB"] == 0, num_warps=c["num_warps"])
+    elif n:
         nb = DEC["NB"]
-        et = decode_table(_ELEM[element][0], q.device)
-        st = decode_table(E8M0, q.device)
         for g0, g1 in _group_slices(g):
             grid = (triton.cdiv(n // 32, nb), g1 - g0)
             K.mxfp8_decode_kernel[grid](q.view(torch.uint8)[g0:g1], sc.view(torch.uint8)[g0:g1], et, st, _out(out[g0:g1]),
