@@ -85,13 +85,18 @@ class RankStats:
     bytes_reused: int = 0
     seconds: float = 0.0
     peak_gpu_bytes: int = 0
+    # Where the writing thread's time went: waiting for transforms (the work is the bound) or
+    # handling results (writing: the sink is the bound). Measured in ``map``.
+    wait_seconds: float = 0.0
+    sink_seconds: float = 0.0
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "device": self.device, "workers": self.workers, "units": self.units,
                 "units_reused": self.units_reused, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
-                "peak_gpu_bytes": self.peak_gpu_bytes, "span": self.where}
+                "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
+                "sink_seconds": round(self.sink_seconds, 3), "span": self.where}
 
 
 class Executor:
@@ -128,9 +133,16 @@ class Executor:
         """
         if not units:
             return
+        clock = time.perf_counter
+        stats = self.stats
         if self.workers == 1 and self.device.type == "cpu":
             for u in units:  # no thread: the simplest schedule, same results
-                yield u, transform(u)
+                t = clock()
+                r = transform(u)
+                t1 = clock()
+                stats.wait_seconds += t1 - t
+                yield u, r
+                stats.sink_seconds += clock() - t1
             return
         threads = max(1, cores() // self.workers) if self.device.type == "cpu" else 1
         main_threads = torch.get_num_threads()
@@ -149,12 +161,16 @@ class Executor:
                         break
                 while pending:
                     u, fut = pending.popleft()
+                    t = clock()
                     result = fut.result()
+                    t1 = clock()
+                    stats.wait_seconds += t1 - t
                     nxt = next(it, None)
                     if nxt is not None:
                         pending.append((nxt, pool.submit(self._run_one, transform, nxt)))
                     yield u, result
                     del result
+                    stats.sink_seconds += clock() - t1
         finally:
             for _, fut in pending:
                 fut.cancel()
