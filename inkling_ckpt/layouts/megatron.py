@@ -49,7 +49,7 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future as ThreadFuture, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
@@ -74,12 +74,9 @@ from torch.futures import Future
 from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
+from .megatron_names import COMMON, DCP_METADATA, METADATA_JSON, RELEASE, TRACKER  # re-exported
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
-METADATA_JSON = "metadata.json"
-COMMON = "common.pt"
-DCP_METADATA = ".metadata"
+
 UNITS_DIR = ".inkling-units"
 SUMS_SUFFIX = ".sha256"  # beside each data file: "offset length sha256" per blob, verified on read
 # mcore <= 0.18 does CheckpointingConfig(**json): exactly these keys (reference §6.2).
@@ -323,7 +320,7 @@ class _UnitWriter(FileSystemWriter):
                     torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
             return blob
 
-        finishing: list[Future[None]] = []
+        finishing: list[ThreadFuture[None]] = []
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-fsync") as syncer:
             f: Any = None
             current = -1

@@ -67,7 +67,7 @@ class Options:
 
     device: str = "auto"
     slice_bytes: int = DEFAULT_SLICE_BYTES
-    workers: int = 0  # 0: min(cores, MAX_DEFAULT_WORKERS) on the CPU, 2 on a GPU
+    workers: int = 0  # 0: min(cores, MAX_DEFAULT_WORKERS) (at least 2 with a GPU)
     progress: bool = True
 
 
@@ -111,7 +111,9 @@ class Executor:
         if self.options.workers > 0:
             self.workers = self.options.workers
         elif self.device.type == "cuda":
-            self.workers = 2  # one slice on the GPU while the next is read and the last copied back
+            # The GPU work of a slice is milliseconds; reading, checking and serializing it on the host
+            # is not, so the host side wants several slices in flight (each holds its own GPU memory).
+            self.workers = max(2, min(cores(), MAX_DEFAULT_WORKERS))
         else:
             self.workers = max(1, min(cores(), MAX_DEFAULT_WORKERS))
         self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers)
