@@ -519,7 +519,7 @@ def lora_export(src: str | Path, dst: str | Path, *, config: str | Path, alpha: 
 
 
 def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: bool = False, force: bool = False,
-               dry_run: bool = False, progress: bool = False, device: str = "auto",
+               dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64,
                workers: int = 0) -> dict[str, Any]:
     """The base release checkpoint with W + (alpha/r)·B·A, re-encoded per layer format with the base's scales
     (collective when the caller runs under torchrun: the ranks split the base's shard files)."""
@@ -533,7 +533,7 @@ def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: 
         return _dry("lora-merge", [base, adapter], dst, tensors=len(rows), bytes=sum(r["bytes"] for r in rows),
                     merged=rows)
     res = merge(base, adapter, dst, force=force, progress=progress, measure=sqnr,
-                options=_options(device, 64, workers, progress))
+                options=_options(device, slice_mb, workers, progress))
     return _job("lora-merge", res, [base, adapter], files=res.files, changed=list(res.changed),
                 unchanged_experts=res.unchanged_experts, bytes=res.bytes, sqnr_db=dict(res.sqnr), **_figures(res))
 

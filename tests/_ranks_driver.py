@@ -1,10 +1,12 @@
 """Runs several inkling-ckpt commands in one torchrun launch (one process-group start for all).
 
-Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K]
+Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K] [--dense-chunk-bytes B]
 
 JOBS.json: a list of argument lists, run in order through the CLI. ``--die-after K``: rank 1
-exits hard (``os._exit``) after writing K units, as a crashed rank would. Rank 0 prints each
-job's exit code and, for every job, its report as JSON (``"ranks"`` included).
+exits hard (``os._exit``) after writing K units, as a crashed rank would. ``--dense-chunk-bytes B``:
+torch_dist outputs store non-expert tensors over B bytes in row ranges (``model.mapping.DENSE_CHUNK_BYTES``,
+so the tiny fixtures exercise the layout of the real embeddings). Rank 0 prints each job's exit
+code and, for every job, its report as JSON (``"ranks"`` included).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ if __name__ == "__main__":
     jobs = json.loads(open(sys.argv[1]).read())
     if "--die-after" in sys.argv:
         _die_after(int(sys.argv[sys.argv.index("--die-after") + 1]))
+    if "--dense-chunk-bytes" in sys.argv:
+        from inkling_ckpt.model import mapping
+
+        mapping.DENSE_CHUNK_BYTES = int(sys.argv[sys.argv.index("--dense-chunk-bytes") + 1])
     results = _capture_results()
     rank = int(os.environ.get("RANK", "0"))
     # One process group for every job (each command joins it instead of starting its own:

@@ -498,3 +498,61 @@ def test_megatron_experts_must_be_bf16(tmp_path, megatron):
     with pytest.raises(CheckpointError, match=f"{re.escape(bad)} is F32; routed experts must be BF16"):
         megatron_to_hf(tmp_path / "f32", tmp_path / "back", HFCheckpoint.open(TINY["bf16"]), progress=False)
     assert not (tmp_path / "back").exists()
+
+
+def test_big_dense_tensors_move_in_row_slices(tmp_path, monkeypatch):
+    """A non-expert tensor bigger than DENSE_CHUNK_BYTES (the real embeddings: 1.85 GB) is stored as
+    row ranges: hf-to-megatron reads only each range's rows, megatron-to-hf reads row slices of the
+    slice budget by position (here straddling the stored ranges), never a big tensor whole, and the
+    round trip gives the source back byte for byte."""
+    from inkling_ckpt.convert.megatron import hf_to_megatron, megatron_to_hf
+    from inkling_ckpt.model import mapping
+    from inkling_ckpt.model.inventory import is_vision
+    from inkling_ckpt.pipeline import Options
+
+    limit = 48 * 1024
+    monkeypatch.setattr(mapping, "DENSE_CHUNK_BYTES", limit)
+    src = HFCheckpoint.open(TINY["mixed"])
+    big = {n for n, t in src.tensors.items()
+           if t.nbytes > limit and ".mlp.experts." not in n and not is_vision(n) and len(t.shape) >= 2}
+    assert {"model.llm.embed.weight", "model.llm.unembed.weight"} <= big
+    hf_reads: list[tuple[str, int]] = []
+    rows_of = HFCheckpoint.read_rows
+
+    def recording(self, name, start, stop):  # type: ignore[no-untyped-def]
+        t = self.tensors[name]
+        hf_reads.append((name, (stop - start) * t.nbytes // t.shape[0] if t.shape else t.nbytes))
+        return rows_of(self, name, start, stop)
+
+    monkeypatch.setattr(HFCheckpoint, "read_rows", recording)
+    hf_to_megatron(src, tmp_path / "mg", options=Options(device="cpu", progress=False))
+    assert max(n for name, n in hf_reads if name in big) <= limit
+    mg = TorchDistCheckpoint.open(tmp_path / "mg")
+    m = MegatronMapping(src.cfg)
+    for name in big:
+        st = mg.keys[m.entry_for_hf(name).key]
+        assert len(st.chunks) > 1 and all(size[0] * st.shape[1] * st.dtype.itemsize <= limit for _, size in st.chunks)
+
+    regions: dict[str, int] = {}  # the largest region read of each key
+    positioned: list[str] = []
+    read, region = TorchDistCheckpoint.read, TorchDistCheckpoint._chunk_region
+
+    def read_recording(self, key, offsets=None, sizes=None):  # type: ignore[no-untyped-def]
+        t = read(self, key, offsets, sizes)
+        regions[key] = max(regions.get(key, 0), t.nbytes)
+        return t
+
+    def region_recording(self, key, *args):  # type: ignore[no-untyped-def]
+        t = region(self, key, *args)
+        if t is not None:
+            positioned.append(key)
+        return t
+
+    monkeypatch.setattr(TorchDistCheckpoint, "read", read_recording)
+    monkeypatch.setattr(TorchDistCheckpoint, "_chunk_region", region_recording)
+    megatron_to_hf(tmp_path / "mg", tmp_path / "back", src, scales="keep",
+                   options=Options(device="cpu", slice_bytes=40 * 1024, workers=2, progress=False))
+    keys = {m.entry_for_hf(n).key for n in big}
+    assert max(regions[k] for k in keys) <= 40 * 1024
+    assert "embedding.word_embeddings.weight" in positioned and "output_layer.weight" in positioned
+    assert _differing(TINY["mixed"], tmp_path / "back") == []

@@ -697,12 +697,14 @@ def test_per_expert_stacked_shared_factors_merge_like_shared_outer(work, dims, b
     assert (work / "m-so" / "model.safetensors").read_bytes() == (work / "m-pe" / "model.safetensors").read_bytes()
 
 
-def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed, monkeypatch):
-    """Experts are merged a slice at a time; slices of 1 and 3 experts (a partial last slice, some
-    experts with a zero delta) give the bytes of the one-slice merge."""
-    import importlib
+def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed):
+    """Experts are merged a slice at a time (``--slice-mb``); slices of 1 and 3 w13 experts (2 and 6
+    of w2: partial last slices, some experts with a zero delta) give the bytes of the one-slice merge."""
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.pipeline import Options
 
-    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    cfg = HFCheckpoint.open(base_mixed).cfg
+    w13_expert = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 2  # BF16 bytes of one w13 expert
     eng = engine(dims, trainer_adapter(dims, seed=13))
     for n, t in eng.items():  # zero deltas for some experts: w13 of experts 1, 3; w2 of expert 2
         if n.endswith(("w1.lora_B.weight", "w3.lora_B.weight")):
@@ -713,15 +715,33 @@ def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed, monkeypat
     whole = merge(base_mixed, ad, work / "slices-all", progress=False)
     assert whole.unchanged_experts == 6 * 3
     for k in (1, 3):
-        monkeypatch.setattr(merge_mod, "expert_slices", lambda st, k=k: [(a, min(st.shape[0], a + k))
-                                                                         for a in range(0, st.shape[0], k)])
-        res = merge(base_mixed, ad, work / f"slices-{k}", progress=False)
+        res = merge(base_mixed, ad, work / f"slices-{k}",
+                    options=Options(device="cpu", slice_bytes=k * w13_expert, progress=False))
         assert res.unchanged_experts == whole.unchanged_experts
+        assert res.ranks[0]["units"] > whole.ranks[0]["units"]  # more, smaller units
         assert (work / f"slices-{k}" / "model.safetensors").read_bytes() == \
             (work / "slices-all" / "model.safetensors").read_bytes()
 
 
 # ---- the pipeline: devices, workers, ranks ---------------------------------------------------
+
+
+def test_cli_merge_takes_the_slice_budget(work, dims, base_mixed, ad_random, cli, monkeypatch):
+    """--slice-mb as on every rewriting command (the shared option), handed to the pipeline."""
+    import importlib
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    seen: list[int] = []
+    real = merge_mod.Executor
+
+    def executor(options, **kw):  # type: ignore[no-untyped-def]
+        seen.append(options.slice_bytes)
+        return real(options, **kw)
+
+    monkeypatch.setattr(merge_mod, "Executor", executor)
+    code, _, err = cli("lora", "merge", base_mixed, ad_random, work / "sliced", "--slice-mb", "3", "--device", "cpu", "-q")
+    assert code == 0, err
+    assert seen == [3 * 2**20]
 
 
 def test_two_ranks_merge_the_one_process_bytes_and_report_both(work, dims, base_bf16, base_mixed, ad_random, cli):

@@ -20,7 +20,7 @@ from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.model.config import InklingConfig
 from inkling_ckpt.model.inventory import EXPERTS, TEXT
 from inkling_ckpt.model.mapping import (
-    MILES, PRESETS, Copy, Experts, MegatronMapping, Preset, get_preset,
+    DENSE_CHUNK_BYTES, MILES, PRESETS, Copy, Experts, MegatronMapping, Preset, get_preset,
 )
 
 FULL = InklingConfig.from_file(FIXTURES / "full-size" / "config.json")
@@ -78,6 +78,15 @@ def test_full_size_keys_follow_the_spec():
     f32 = MegatronMapping(FULL, dtypes={f"{TEXT}.embed.weight": torch.float32})
     assert f32.entry("embedding.word_embeddings.weight").dtype == torch.float32
     assert m.entry("embedding.word_embeddings.weight").shape == (201024, 4608)  # padded rows stored as they are
+    # Big non-expert tensors are stored in row ranges of at most DENSE_CHUNK_BYTES; the rest whole.
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        chunks = m.entry(key).chunks()
+        assert len(chunks) == 28 and all(size[0] * 4608 * 2 <= DENSE_CHUNK_BYTES for _, size in chunks)
+        assert [off[0] for off, _ in chunks] == list(range(0, 201024, 7281)) and chunks[-1][1] == (4437, 4608)
+    assert f32.entry("embedding.word_embeddings.weight").chunks()[1] == ((3640, 0), (3640, 4608))
+    for e in m.entries():
+        if not e.stacked and e.key not in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert e.chunks() == [((0,) * len(e.shape), e.shape)], e.key
     # 1,514 release tensors = the text ones here plus the vision tower's.
     assert len(m.keys()) == 1092
     objs = m.extra_state()

@@ -40,6 +40,24 @@ def test_megatron_core_loads_every_value(converted):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
+def test_megatron_core_loads_big_tensors_stored_in_row_ranges(tmp_path):
+    """Tensors above DENSE_CHUNK_BYTES (the real embeddings) are stored as several row-range chunks;
+    Megatron-Core's load assembles them into its own shards (here: chunks of 48 KiB, so the
+    embeddings and the bigger attention weights of the tiny model are split)."""
+    from inkling_ckpt.convert.megatron import hf_to_megatron
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
+    from inkling_ckpt.model import mapping
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mapping, "DENSE_CHUNK_BYTES", 48 * 1024)
+        hf_to_megatron(HFCheckpoint.open(TINY["mixed"]), tmp_path / "mg", progress=False)
+    assert len(TorchDistCheckpoint.open(tmp_path / "mg").keys["embedding.word_embeddings.weight"].chunks) > 1
+    r = subprocess.run([sys.executable, str(SCRIPT), "load", str(tmp_path / "mg" / "release"), str(TINY["mixed"])],
+                       capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 @pytest.mark.skipif(shutil.which("torchrun", path=str(Path(sys.executable).parent)) is None, reason="no torchrun")
 def test_megatron_core_loads_as_expert_parallel_2(converted):
     """The same checkpoint loaded by two ranks, each holding half of every layer's experts."""

@@ -98,6 +98,75 @@ def test_reader_checks_every_blob_on_either_read_path(tmp_path, monkeypatch, one
         TorchDistCheckpoint.open(tmp_path).read("a")
 
 
+def test_reader_reads_a_part_of_a_chunk_by_position(tmp_path, monkeypatch):
+    """A region covering a stored chunk in part reads only its bytes (rows of the embeddings, experts
+    of a stacked weight), never loading the chunk: the same values as slicing the whole tensor."""
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(40, 8, generator=g).to(torch.bfloat16)
+    e = torch.randn(6, 4, 5, generator=g)
+    _write(tmp_path, {"a": a, "e": e}, {"a": [((0, 0), (24, 8)), ((24, 0), (16, 8))]})
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+
+    def no_load(*args):  # type: ignore[no-untyped-def]
+        raise AssertionError("a chunk was loaded whole for a part of it")
+
+    monkeypatch.setattr(TorchDistCheckpoint, "read_chunk", no_load)
+    for off, size in [((0, 0), (5, 8)), ((20, 0), (10, 8)), ((3, 2), (30, 5)), ((39, 7), (1, 1))]:
+        want = a[off[0]:off[0] + size[0], off[1]:off[1] + size[1]]
+        assert torch.equal(ckpt.read("a", off, size), want), (off, size)
+    assert torch.equal(ckpt.read("e", (2, 0, 0), (3, 4, 5)), e[2:5])
+    assert torch.equal(ckpt.read("e", (5, 1, 1), (1, 2, 3)), e[5:, 1:3, 1:4])
+
+
+def test_a_part_of_a_corrupted_chunk_is_an_integrity_error(tmp_path):
+    from inkling_ckpt.errors import IntegrityError
+
+    a = torch.arange(64 * 8, dtype=torch.float32).reshape(64, 8)
+    _write(tmp_path, {"a": a}, {})
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    at = raw.rfind(a[60].numpy().tobytes())  # a byte of row 60, far from the rows read below
+    raw[at] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="sha256"):
+        TorchDistCheckpoint.open(tmp_path).read("a", (0, 0), (4, 8))
+
+
+def test_blob_layouts_of_foreign_saves(tmp_path):
+    """Blobs written by others: views save their whole storage (strides and an offset to honour);
+    anything not a plain uncompressed record is loaded whole instead (no layout)."""
+    import io
+    import zipfile
+
+    from inkling_ckpt.layouts.megatron import _blob_layout
+
+    base = torch.arange(12 * 10, dtype=torch.float32).reshape(12, 10)
+    cases = {"transposed": base.t(), "sliced": base[3:7, 2:]}
+    for name, t in cases.items():
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        path = tmp_path / name
+        path.write_bytes(b"x" * 100 + buf.getvalue())
+        with open(path, "rb") as f:
+            lay = _blob_layout(f, path, 100, len(buf.getvalue()), tuple(t.shape), t.dtype, name)
+            assert lay is not None and lay.strides == t.stride() and lay.storage_offset == t.storage_offset()
+            f.seek(lay.start)
+            storage = torch.frombuffer(bytearray(f.read(base.numel() * 4)), dtype=torch.float32)
+        assert torch.equal(storage.as_strided(t.shape, lay.strides, lay.storage_offset), t)
+    # A deflated record (a re-zipped save): no positioned reads.
+    buf = io.BytesIO()
+    torch.save(base, buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for info in src.infolist():
+            z.writestr(info.filename, src.read(info.filename))
+    path = tmp_path / "deflated"
+    path.write_bytes(out.getvalue())
+    with open(path, "rb") as f:
+        assert _blob_layout(f, path, 0, len(out.getvalue()), (12, 10), torch.float32, "deflated") is None
+
+
 @pytest.mark.parametrize("off,size", [((0, 0), (6,)), ((0, 0), (2,)), ((0, 0), (3, 4, 1)), ((0,), (6, 8))])
 def test_reader_refuses_a_region_of_another_rank(tmp_path, off, size):
     """Offsets and sizes must name every dim: the bounds check once zipped sizes against the shape,

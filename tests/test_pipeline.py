@@ -82,6 +82,77 @@ def test_run_counts_units_bytes_and_reused():
     assert s.where == ["layer 2 of 3", "layer 3 of 3"]
 
 
+def test_ranks_on_one_node_split_its_cores():
+    from inkling_ckpt.pipeline import share_cores
+
+    # (cores, local ranks, --workers, device) -> (workers, torch threads per worker)
+    assert share_cores(16, 1, 0, "cpu") == (4, 4)
+    assert share_cores(16, 2, 0, "cpu") == (4, 2)  # the node still runs 16 threads, not 32
+    assert share_cores(16, 4, 0, "cpu") == (4, 1)
+    assert share_cores(16, 8, 0, "cpu") == (2, 1)
+    assert share_cores(2, 1, 0, "cpu") == (2, 1)
+    assert share_cores(2, 2, 0, "cpu") == (1, 1)
+    assert share_cores(2, 4, 0, "cpu") == (1, 1)  # never below one
+    assert share_cores(16, 2, 3, "cpu") == (3, 2)  # --workers kept, threads from the rank's share
+    assert share_cores(16, 2, 16, "cpu") == (16, 1)
+    assert share_cores(16, 1, 0, "cuda") == (4, 1)  # the host side of slices in flight, as on the CPU
+    assert share_cores(16, 2, 0, "cuda") == (4, 1)
+    assert share_cores(2, 2, 0, "cuda") == (2, 1)  # at least 2 with a GPU: reading overlaps the device
+    assert share_cores(16, 2, 5, "cuda") == (5, 1)
+
+
+def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):
+    from inkling_ckpt.pipeline import World
+
+    monkeypatch.setattr(executor_mod, "cores", lambda: 16)
+    one = Executor(Options(device="cpu", progress=False), world=World())
+    two = Executor(Options(device="cpu", progress=False), world=World(rank=1, size=2, local_rank=1, local_size=2))
+    assert (one.workers, one.threads) == (4, 4)
+    assert (two.workers, two.threads) == (4, 2)
+    seen: list[int] = []
+    list(two.map(range(6), lambda i: seen.append(torch.get_num_threads())))
+    assert set(seen) == {2}
+    assert two.stats.as_dict()["threads"] == 2  # in the report's "ranks"
+
+
+def test_local_ranks_come_from_torchrun(monkeypatch):
+    from inkling_ckpt.pipeline import local_ranks
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert local_ranks() == 3
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert local_ranks() == 1
+
+
+def test_every_executor_steadies_memory_once_per_process(monkeypatch):
+    from inkling_ckpt.pipeline import memory
+
+    calls: list[tuple[int, int]] = []
+
+    class Libc:
+        def mallopt(self, param: int, value: int) -> int:
+            calls.append((param, value))
+            return 1
+
+    monkeypatch.setattr(memory, "_applied", False)
+    monkeypatch.setattr(memory, "_glibc", lambda: Libc())
+    Executor(Options(device="cpu", progress=False))
+    Executor(Options(device="cpu", progress=False))
+    assert calls == [(memory.M_MMAP_THRESHOLD, 1 << 20)]
+
+
+def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
+    from inkling_ckpt.pipeline import memory
+
+    def no_glibc(name: str) -> str:
+        raise ValueError(name)  # what os.confstr says where the C library is not glibc
+
+    monkeypatch.setattr(memory.os, "confstr", no_glibc)
+    assert memory._glibc() is None
+    monkeypatch.setattr(memory, "_applied", False)
+    memory.steady_memory()  # nothing to call, nothing raised
+
+
 def test_device_choice():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,6 +176,23 @@ def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
     assert same_files(tmp_path / "a", tmp_path / "b") == []
     # The closing line: time, bytes read and written, rate; nothing claimed as resumed.
     assert "wrote" in out and " in " in out and "read " in out and "MB/s" in out and "resum" not in out
+
+
+def test_dense_tensors_cut_in_row_slices_keep_their_bytes(tmp_path):
+    """A dense tensor bigger than the slice (the real embeddings: 1.85 GB against 64 MiB) is read and
+    written in row slices; every slice must be its own rows (a slice past the first once came out
+    empty, and the writer refused the unfinished tensor). Tiny tensors cut with a 40 KiB slice."""
+    from inkling_ckpt.convert.requantize import requantize
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.precision import PrecisionPlan
+
+    src = HFCheckpoint.open(TINY["mixed"])
+    plan = PrecisionPlan.uniform("bf16", src.cfg.num_hidden_layers)
+    assert src.tensors["model.llm.embed.weight"].nbytes > 4 * 40 * 1024
+    for name, slice_bytes in (("whole", 64 * 2**20), ("rows", 40 * 1024)):
+        requantize(src, tmp_path / name, plan, max_shard_size="1MB",
+                   options=Options(device="cpu", slice_bytes=slice_bytes, workers=2, progress=False))
+    assert same_files(tmp_path / "whole", tmp_path / "rows") == []
 
 
 # ---- unit-grain resume -----------------------------------------------------------------------------
@@ -206,7 +294,33 @@ def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
         # Each rank did a share, not the whole job.
         assert all(0 < each["bytes_written"] < res["bytes"] for each in ranks["each"]), res
         assert sum(each["bytes_written"] for each in ranks["each"]) >= res["bytes"] * 0.95
+        # The two ranks on this node split its cores.
+        assert all(each["threads"] == max(1, executor_mod.cores() // 2 // each["workers"]) for each in ranks["each"])
     assert "2 ranks" in r.stdout
+
+
+def test_two_ranks_write_big_tensors_in_row_ranges_as_one_process(cli, tmp_path, monkeypatch):
+    """The torch_dist layout of tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so the
+    tiny embeddings and attention weights are split) is the same from 1 and 2 ranks, both ways."""
+    from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
+    from inkling_ckpt.model import mapping
+
+    def jobs(out: Path) -> list[list[str]]:
+        return [["convert", "hf-to-megatron", str(TINY["mixed"]), str(out / "megatron"), "-q", "--device", "cpu"],
+                ["convert", "megatron-to-hf", str(out / "megatron"), str(out / "back"), "--reference",
+                 str(TINY["mixed"]), "-q", "--device", "cpu"]]
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    monkeypatch.setattr(mapping, "DENSE_CHUNK_BYTES", 48 * 1024)
+    for job in jobs(one):
+        code, out, err = cli(*job)
+        assert code == 0, err
+    assert len(TorchDistCheckpoint.open(one / "megatron").keys["output_layer.weight"].chunks) > 1
+    r = _torchrun(jobs(two), tmp_path, "--dense-chunk-bytes", str(48 * 1024))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _same_tree(one / "megatron", two / "megatron") == []
+    assert _same_tree(one / "back", two / "back") == []
+    assert same_files(TINY["mixed"], two / "back") == []
 
 
 def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path):

@@ -306,6 +306,59 @@ def test_cli_shard_dry_run_and_merge(tiny_release, cli, tmp_path):
     assert code == 0 and "byte-identical" in out and _files(tmp_path / "back") == _files(src)
 
 
+def test_ranks_split_the_manifest_checksums():
+    from inkling_ckpt.layouts.sharded import checked_by
+    from inkling_ckpt.pipeline import World
+
+    files = {f"rank-{i:02d}/model.safetensors": {"bytes": 100 * (i + 1), "sha256": "0" * 64} for i in range(5)}
+    shares = [checked_by(files, World(rank=r, size=2)) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(files) and not set(shares[0]) & set(shares[1])
+    assert all(shares)  # each rank checks some
+    assert checked_by(files, World()) == sorted(files)
+
+
+def test_a_rank_hashes_only_its_share(tiny_release, tmp_path, monkeypatch):
+    from inkling_ckpt.layouts import sharded
+    from inkling_ckpt.pipeline import World
+
+    sh = tmp_path / "sh"
+    shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)
+    files = json.loads((sh / MANIFEST).read_text())["files"]
+    hashed: list[str] = []
+    real = sharded.sha256_file
+    monkeypatch.setattr(sharded, "sha256_file", lambda p: hashed.append(str(Path(p).relative_to(sh))) or real(p))
+    gathered: list[object] = []
+    monkeypatch.setattr(sharded, "all_ok", lambda err, world: gathered.append(err))  # the collective, one rank's side
+    for rank in range(2):
+        hashed.clear()
+        sharded.check_files(sh, files, world=World(rank=rank, size=2))
+        assert sorted(hashed) == sharded.checked_by(files, World(rank=rank, size=2)) != sorted(files)
+    assert gathered == [None, None]
+
+
+def test_two_ranks_refuse_a_corrupted_rank_file_checked_by_either(tiny_release, tmp_path):
+    """Each rank checks a share of the sha256s; a mismatch on one fails both, in one line, before anything is written."""
+    import subprocess
+    import sys
+
+    from conftest import free_port, subprocess_env
+
+    sh = tmp_path / "sh"
+    shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)
+    f = sorted((sh / "rank-01").glob("*.safetensors"))[0]
+    data = f.read_bytes()
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps([["shard", "--merge", str(sh), str(tmp_path / "out"), "-q"]]))
+    r = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port",
+                        free_port(), str(Path(__file__).parent / "_ranks_driver.py"), str(spec)],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("inkling-ckpt: error:")]
+    assert len(lines) == 2 and all("does not match the manifest" in ln for ln in lines), r.stderr[-3000:]
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_merge_refuses_truncated_or_corrupted_ranks(tiny_release, cli, tmp_path):
     sh = tmp_path / "sh"
     shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)

@@ -27,23 +27,6 @@ convert_app = typer.Typer(
 app.add_typer(convert_app)
 
 
-def _steady_memory() -> None:
-    """Make glibc return large freed blocks to the OS at once (Linux/glibc only; else a no-op).
-
-    glibc raises its mmap threshold as big blocks are freed, after which tensors of up to 32 MiB
-    come from the heap and linger there; a fixed 1 MiB threshold keeps the resident set at the
-    few tensors in flight, and the same from one run to the next.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        M_MMAP_THRESHOLD = -3
-        libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
-    except (OSError, AttributeError):
-        pass
-
-
 def _dt(dtype: "DenseDtype | None") -> str | None:
     return None if dtype is None else dtype.value
 
@@ -90,7 +73,6 @@ def hf_to_megatron_cmd(
             rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, dry_run=True, dtype=_dt(dtype),
                                              device=device)
         else:
-            _steady_memory()
             with joined():
                 rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, allow_nonfinite=allow_nonfinite,
                                                  force=force, progress=not quiet and _rank() == 0, dtype=_dt(dtype),
@@ -138,8 +120,6 @@ def megatron_to_hf_cmd(
     setup(verbose)
     from .. import api
 
-    if not dry_run:
-        _steady_memory()
     with hub(revision, token), joined(dry_run):
         report(api.convert_megatron_to_hf(src, dst, reference, plan=plan, scales=scales.value,
                                           preset=preset.value if preset else None,
@@ -181,8 +161,6 @@ def hf_to_hf_cmd(
     setup(verbose)
     from .. import api
 
-    if not dry_run:
-        _steady_memory()
     with hub(revision, token), joined(dry_run):
         report(api.convert_hf_to_hf(src, dst, plan, scales=scales.value, max_shard_size=max_shard_size,
                                     allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,

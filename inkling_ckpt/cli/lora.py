@@ -10,7 +10,8 @@ from typing import Any, Optional
 import typer
 
 from .app import app, declares
-from .options import DEVICE, DRY_RUN, FORCE, JSON, QUIET, VERBOSE, WORKERS, emit, figures, joined, render_job, setup
+from .options import (DEVICE, DRY_RUN, FORCE, JSON, QUIET, SLICE_MB, VERBOSE, WORKERS, emit, figures, joined, render_job,
+                      setup)
 
 lora_app = typer.Typer(
     name="lora",
@@ -80,6 +81,7 @@ def merge_cmd(
     sqnr: bool = typer.Option(False, "--sqnr", help="Report each merged quantized expert tensor's SQNR vs its float "
                                                     "merge."),
     device: str = DEVICE,
+    slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
     dry_run: bool = DRY_RUN,
     as_json: bool = JSON,
@@ -95,7 +97,7 @@ def merge_cmd(
 
     with joined(dry_run):
         rep = api.lora_merge(base, adapter, out, sqnr=sqnr, force=force, dry_run=dry_run, progress=not quiet,
-                             device=device, workers=workers)
+                             device=device, slice_mb=slice_mb, workers=workers)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
         emit(rep, as_json, _render_merge)
 

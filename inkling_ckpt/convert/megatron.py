@@ -2,9 +2,9 @@
 
 The key layout is a preset table (:mod:`inkling_ckpt.model.mapping`, default ``miles``).
 
-hf-to-megatron streams: every stored chunk (one layer tensor, or one expert of a layer's
-``linear_fc1`` / ``linear_fc2``) is built only when the storage writer asks for it, from the
-bytes it needs — an expert is read, decoded from its layer's format to BF16 and de-interleaved on
+hf-to-megatron streams: every stored chunk (one layer tensor, a row range of a big one such as
+the embeddings, or one expert of a layer's ``linear_fc1`` / ``linear_fc2``) is built only when
+the storage writer asks for it, from the bytes it needs — an expert is read, decoded from its layer's format to BF16 and de-interleaved on
 its own — so memory stays at a few chunks. Non-expert tensors keep their stored dtype. Under
 ``torchrun`` each rank takes a share of the conversion units (global tensors, each decoder layer)
 and the ranks write one checkpoint collectively; file names depend on the unit, not the rank, so
@@ -71,7 +71,7 @@ def plan_megatron(m: MegatronMapping) -> tuple[list[ChunkItem], list[ObjectItem]
         for off, size in e.chunks():
             # Within a unit: the layer's tensors, then each expert stack expert by expert — the
             # order the release stores them, so reads run forward through the file.
-            rank = (unit_no[e.unit], 1 if e.stacked else 0, pos, off[0] if e.stacked else 0)
+            rank = (unit_no[e.unit], 1 if e.stacked else 0, pos, off[0] if off else 0)
             ranked.append((rank, ChunkItem(e.key, off, size, e.shape, e.dtype, unit_no[e.unit])))
     chunks = [c for _, c in sorted(ranked, key=lambda rc: rc[0])]
     payload = empty_extra_state()
@@ -125,7 +125,10 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
             w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite,
                              dtype=torch.bfloat16, device=device)
             return m.to_megatron(e.key, w).to("cpu")
-        return m.to_megatron(e.key, src.get(e.hf))
+        if tuple(item.sizes) == tuple(e.shape):
+            return m.to_megatron(e.key, src.get(e.hf))
+        a = item.offsets[0]  # a row range of a big tensor (the embeddings): only its rows are read
+        return m.rows_to_megatron(e.key, src.read_rows(e.hf, a, a + item.sizes[0]), a)
     return produce
 
 
@@ -295,11 +298,12 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
-    """Units in output order: dense tensors whole (the inverse rules work on whole tensors), experts by slice
-    (each reading its BF16 torch_dist chunk)."""
+    """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
+    rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
+    torch_dist chunks)."""
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
-    return release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16, row_reads=False)
+    return release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
 
 
 def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,
@@ -316,7 +320,12 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
         out: dict[str, torch.Tensor] = {}
         for name, a, b in unit.pieces:
             if name in by_hf:
-                t = m.to_hf(by_hf[name].key, reader.read(by_hf[name].key)).contiguous()
+                e = by_hf[name]
+                if e.shape and e.rule.by_rows and (a, b) != (0, e.shape[0]):  # a row slice reads only its rows
+                    rows = reader.read(e.key, (a, *(0 for _ in e.shape[1:])), (b - a, *e.shape[1:]))
+                    out[name] = m.rows_to_hf(e.key, rows, a).contiguous()
+                    continue
+                t = m.to_hf(e.key, reader.read(e.key)).contiguous()
                 out[name] = t if (a, b) == (0, t.shape[0] if t.dim() else 1) else t[a:b]
             elif is_vision(name):  # the vision tower: from the reference, bit for bit
                 out.update(read_dense(reference, [(name, a, b)]))

@@ -152,17 +152,21 @@ def read_dense(src: Any, pieces: Sequence[tuple[str, int, int]]) -> dict[str, to
     """The rows of each piece of dense tensors, read as stored."""
     out: dict[str, torch.Tensor] = {}
     for name, a, b in pieces:
-        t = src.get(name) if a == 0 and (not getattr(src, "row_reads", True) or _whole(src, name, b)) \
-            else src.read_rows(name, a, b)
+        rows = _rows(src, name)
+        if rows is not None and (a, b) != (0, rows) and getattr(src, "row_reads", True):
+            out[name] = src.read_rows(name, a, b)  # exactly rows a:b, reading only them
+            continue
+        t = src.get(name)  # whole; a source that cannot read rows apart has them cut from it
         out[name] = t[a:b] if t.dim() and (a, b) != (0, t.shape[0]) else t
     return out
 
 
-def _whole(src: Any, name: str, stop: int) -> bool:
+def _rows(src: Any, name: str) -> int | None:
+    """Rows of a stored tensor from the source's headers (None: a scalar, or not known)."""
     tensors = getattr(src, "tensors", None)
     st = tensors.get(name) if isinstance(tensors, Mapping) else None
-    shape = getattr(st, "shape", None)
-    return shape is None or not shape or shape[0] == stop
+    shape = st.get("shape") if isinstance(st, Mapping) else getattr(st, "shape", None)  # a manifest entry, or a header's
+    return int(shape[0]) if shape else None
 
 
 __all__ = ["requantize", "describe_requantize", "plan_units", "transform", "read_dense", "expert_slices", "Result", "TensorSource"]

@@ -46,7 +46,9 @@ import dataclasses
 import pickle
 import re
 import sys
+import threading
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from concurrent.futures import Future as ThreadFuture, ThreadPoolExecutor
@@ -830,10 +832,12 @@ def _common_safe_globals() -> list[Any]:
     return safe
 
 
-def _safe_load(data: io.IOBase | Path, what: str) -> Any:
+def _safe_load(data: io.IOBase | Path, what: str, *, meta: bool = False) -> Any:
+    """``torch.load`` weights-only (plus Megatron's allowed run arguments); ``meta``: tensors on the
+    meta device, their bytes never read (shape, strides and storage offset only)."""
     try:
         with torch.serialization.safe_globals(_common_safe_globals()):
-            return torch.load(data, map_location="cpu", weights_only=True)  # type: ignore[arg-type]  # any readable, seekable file; torch annotates IO[bytes]
+            return torch.load(data, map_location="meta" if meta else "cpu", weights_only=True)  # type: ignore[arg-type]  # any readable, seekable file; torch annotates IO[bytes]
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{what}: needs unsafe unpickling; refusing to load it ({first[:160]})") from None
@@ -913,6 +917,71 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
         active.append((off, size))
 
 
+@dataclass(frozen=True)
+class _BlobLayout:
+    """Where a stored chunk's elements lie in its data file: a plain tensor in an uncompressed record."""
+
+    path: Path
+    start: int  # file offset of the record's first byte
+    storage_offset: int
+    strides: tuple[int, ...]
+    itemsize: int
+
+
+_DATA_RECORD = re.compile(r"[^/]+/data/[0-9]+")
+_LOCAL_HEADER = 30  # bytes of a zip local file header before its name and extra field
+
+
+def _record_start(blob: "_Slice", rec: zipfile.ZipInfo) -> int | None:
+    """Where an uncompressed zip record's bytes start in ``blob`` (after its local header), if sound."""
+    blob.seek(rec.header_offset)
+    local = blob.read(_LOCAL_HEADER)
+    if len(local) != _LOCAL_HEADER or local[:4] != b"PK\x03\x04" or rec.compress_type != zipfile.ZIP_STORED:
+        return None
+    return rec.header_offset + _LOCAL_HEADER + int.from_bytes(local[26:28], "little") + \
+        int.from_bytes(local[28:30], "little")
+
+
+def _blob_layout(f: Any, path: Path, offset: int, length: int, shape: tuple[int, ...], dtype: torch.dtype,
+                 what: str) -> _BlobLayout | None:
+    """The layout of the ``torch.save`` blob at ``offset`` in ``f`` when its one tensor can be read
+    by position (little-endian, one uncompressed record, non-negative strides inside it), else None.
+
+    Reads the blob's pickle (the tensor on the meta device: no data) and zip directory only. Our
+    writer saves without zip CRC32s, so records are read by their local headers, never checked
+    against a CRC (the sha256 sidecar covers the blob).
+    """
+    t = _safe_load(_Slice(f, offset, length), what, meta=True)
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype \
+            or any(x < 0 for x in t.stride()) or t.storage_offset() < 0:
+        return None
+    blob = _Slice(f, offset, length)
+    try:
+        infos = zipfile.ZipFile(_Slice(f, offset, length)).infolist()
+        records = [i for i in infos if _DATA_RECORD.fullmatch(i.filename)]
+        order = [i for i in infos if i.filename.endswith("/byteorder")]
+        if len(records) != 1 or len(order) > 1:
+            return None
+        if order:  # absent in old saves, which are little-endian
+            at = _record_start(blob, order[0])
+            if at is None or order[0].file_size > 16:
+                return None
+            blob.seek(at)
+            if blob.read(order[0].file_size) != b"little":
+                return None
+        rec = records[0]
+        start = _record_start(blob, rec)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError):
+        return None
+    if start is None:
+        return None
+    last = t.storage_offset() + sum((n - 1) * x for n, x in zip(t.shape, t.stride(), strict=True))
+    if start + rec.file_size > length or t.untyped_storage().nbytes() != rec.file_size \
+            or (last + 1) * dtype.itemsize > rec.file_size:
+        return None
+    return _BlobLayout(path, offset + start, int(t.storage_offset()), tuple(int(x) for x in t.stride()), dtype.itemsize)
+
+
 class TorchDistCheckpoint:
     """A Megatron ``torch_dist`` checkpoint opened for streaming reads. Use :meth:`open`."""
 
@@ -929,6 +998,9 @@ class TorchDistCheckpoint:
             elif isinstance(md, BytesStorageMetadata):
                 self.objects.append(key)
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
+        self._layouts: dict[tuple[str, tuple[int, ...]], _BlobLayout | None] = {}
+        self._verified: set[tuple[str, int]] = set()  # blobs checked against their sha256 (partial reads)
+        self._lock = threading.Lock()
         self._views: dict[str, tuple[str, int]] = {}  # per-layer key -> (stacked key, layer)
         self._stacked: dict[str, StoredKey] = {}
         self._sums: dict[tuple[str, int, int], str] = {}
@@ -1085,8 +1157,11 @@ class TorchDistCheckpoint:
     def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
         """A region (default: all) of a tensor, assembled from the stored chunks that overlap it.
 
-        Memory: the region plus one stored chunk (the last chunk read is kept, so reading a
-        stacked tensor expert by expert from one big chunk does not reload it every time).
+        A chunk the region covers only in part is read by position: only the bytes between the
+        region's first and last element (rows of a big tensor, experts of a stacked one), the
+        blob checked against its sha256 once. Where a blob's record cannot be read that way,
+        the chunk is loaded whole and the last one kept (reading a stacked tensor expert by
+        expert from one big chunk then does not reload it every time).
         """
         if key in self._views:
             stored, layer = self._views[key]
@@ -1116,8 +1191,10 @@ class TorchDistCheckpoint:
             hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
             if any(y <= x for x, y in zip(lo, hi, strict=True)):
                 continue
-            chunk = self._cached_chunk(key, c_off)
-            src = chunk[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, c_off, strict=True))]
+            src = self._chunk_region(key, tuple(c_off), tuple(c_size), lo, hi)
+            if src is None:
+                chunk = self._cached_chunk(key, c_off)
+                src = chunk[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, c_off, strict=True))]
             out[tuple(slice(x - a, y - a) for x, y, a in zip(lo, hi, off, strict=True))] = src
             n = 1
             for x, y in zip(lo, hi, strict=True):
@@ -1131,12 +1208,66 @@ class TorchDistCheckpoint:
         return out
 
     def _cached_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        if self._cache is not None and self._cache[0] == (key, offsets):
-            return self._cache[1]
+        cached = self._cache  # one read of the slot: another thread may replace it meanwhile
+        if cached is not None and cached[0] == (key, offsets):
+            return cached[1]
         self._cache = None
         t = self.read_chunk(key, offsets)
         self._cache = ((key, offsets), t)
         return t
+
+    def _chunk_region(self, key: str, c_off: tuple[int, ...], c_size: tuple[int, ...], lo: Sequence[int],
+                      hi: Sequence[int]) -> torch.Tensor | None:
+        """Elements ``lo:hi`` (global coordinates) of one stored chunk, read by position; None when the
+        region is the whole chunk (read it whole: one pass checks and loads it) or the blob does not allow it."""
+        rel_lo = [x - o for x, o in zip(lo, c_off, strict=True)]
+        rel_hi = [y - o for y, o in zip(hi, c_off, strict=True)]
+        if all(a == 0 for a in rel_lo) and list(c_size) == rel_hi:
+            return None
+        lay = self._layout(key, c_off)
+        if lay is None:
+            return None
+        first = lay.storage_offset + sum(a * x for a, x in zip(rel_lo, lay.strides, strict=True))
+        last = lay.storage_offset + sum((b - 1) * x for b, x in zip(rel_hi, lay.strides, strict=True))
+        count = (last - first + 1) * lay.itemsize
+        buf = torch.empty(count, dtype=torch.uint8)
+        try:
+            with open_regular(lay.path, buffering=0) as f:
+                f.seek(lay.start + first * lay.itemsize)
+                got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+        except OSError as e:
+            raise CheckpointError(f"{lay.path}: cannot read ({e.strerror})") from None
+        if got != count:
+            raise CheckpointError(f"{lay.path}: truncated (chunk of {key} runs past the end)")
+        dtype = (self._stacked.get(key) or self.keys[key]).dtype
+        size = [b - a for a, b in zip(rel_lo, rel_hi, strict=True)]
+        return buf.view(dtype).as_strided(size, lay.strides, 0)
+
+    def _layout(self, key: str, c_off: tuple[int, ...]) -> _BlobLayout | None:
+        """The chunk's blob layout (found once, its blob checked against the sha256 sidecar once)."""
+        k = (key, c_off)
+        if k in self._layouts:
+            return self._layouts[k]
+        st = self._stacked.get(key) or self.keys[key]
+        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(c_off)))
+        if info is None:
+            raise CheckpointError(f"{self.folder}: .metadata lists {key} at {c_off} but stores no data for it")
+        path = self.folder / info.relative_path
+        sizes = dict(st.chunks).get(c_off)
+        try:
+            with open_regular(path, buffering=0) as f:
+                if os.fstat(f.fileno()).st_size < info.offset + info.length:
+                    raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                if (info.relative_path, info.offset) not in self._verified:
+                    self._verify(path, info, key)  # streamed in pieces: memory stays at a piece
+                    self._verified.add((info.relative_path, info.offset))
+                lay = None if sizes is None else _blob_layout(f, path, info.offset, info.length, tuple(sizes),
+                                                              st.dtype, f"{path}: chunk of {key}")
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        with self._lock:
+            self._layouts[k] = lay
+        return lay
 
     def data_bytes(self) -> int:
         return sum(nbytes(st.shape, st.dtype) for st in self.keys.values())

@@ -48,7 +48,7 @@ from ..errors import CheckpointError, IntegrityError
 from ..model.config import InklingConfig, read_json
 from ..model.inventory import Category, TensorSpec, detect_plan, inventory, is_vision, nbytes
 from ..model.precision import PrecisionPlan
-from ..pipeline import Executor, Options, Result, Stage, Unit, assign, run_staged
+from ..pipeline import Executor, Options, Result, Stage, Unit, World, all_ok, assign, current_world, run_staged
 from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
@@ -508,7 +508,13 @@ class ShardedCheckpoint:
         self._lock = threading.Lock()
 
     @classmethod
-    def open(cls: type[_Ckpt], root: str | Path, *, verify_checksums: bool = True, progress: bool = False) -> _Ckpt:
+    def open(cls: type[_Ckpt], root: str | Path, *, verify_checksums: bool = True, progress: bool = False,
+             world: World | None = None) -> _Ckpt:
+        """Check the folder (manifest, every file's size and sha256) and open it.
+
+        ``world``: the ranks opening it together (collective; every rank must call): each
+        checks the sha256 of its share of the files, and a mismatch fails every rank.
+        """
         root = Path(root)
         man_path = root / MANIFEST
         if not man_path.is_file():
@@ -523,7 +529,7 @@ class ShardedCheckpoint:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
             raise CheckpointError(f"{man_path}: not an {FORMAT} v{VERSION} manifest")
         _check_manifest(manifest, man_path)
-        check_files(root, manifest["files"], verify_checksums=verify_checksums, progress=progress)
+        check_files(root, manifest["files"], verify_checksums=verify_checksums, progress=progress, world=world)
         ckpt = cls(root, manifest)
         ckpt._index_ranks()
         return ckpt
@@ -734,9 +740,30 @@ def _check_inner(man: dict[str, Any], where: Path) -> None:
             raise CheckpointError(f"{where}: damaged manifest: inner cut of {str(name)[:120]} is inconsistent")
 
 
+def checked_by(files: dict[str, dict[str, Any]], world: World) -> list[str]:
+    """The files whose sha256 this rank checks: a share by bytes (every file checked by one rank)."""
+    owner = assign({rel: int(info["bytes"]) for rel, info in files.items()}, world.size)
+    return sorted(rel for rel, rank in owner.items() if rank == world.rank)
+
+
 def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksums: bool = True,
-                progress: bool = False) -> None:
-    """Every file the manifest lists is there, whole, and (optionally) has its sha256."""
+                progress: bool = False, world: World | None = None) -> None:
+    """Every file the manifest lists is there, whole, and (optionally) has its sha256.
+
+    With a distributed ``world`` (collective) each rank hashes only :func:`checked_by` its share;
+    sizes are checked by every rank (cheap), and a failing rank fails them all.
+    """
+    world = world or World()
+    if world.distributed and verify_checksums:
+        err: BaseException | None = None
+        try:
+            check_files(root, files, verify_checksums=False)
+            mine = checked_by(files, world)
+            _check_sums(root, {rel: files[rel] for rel in mine}, progress and world.rank == 0)
+        except Exception as e:  # handed to every rank by all_ok, raised here as it is
+            err = e
+        all_ok(err, world)
+        return
     for rel, info in sorted(files.items()):
         p = root / rel
         if not p.is_file():
@@ -744,8 +771,11 @@ def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksum
         size = p.stat().st_size
         if size != info["bytes"]:
             raise CheckpointError(f"{p}: truncated or altered: {size} bytes, the manifest says {info['bytes']}")
-    if not verify_checksums:
-        return
+    if verify_checksums:
+        _check_sums(root, files, progress)
+
+
+def _check_sums(root: Path, files: dict[str, dict[str, Any]], progress: bool) -> None:
     total = sum(info["bytes"] for info in files.values())
     with ByteProgress(total, desc="checksums", enabled=progress) as bar:
         for rel, got in _hash_files(root, sorted(files)).items():
@@ -788,10 +818,11 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
 
     Runs through :mod:`inkling_ckpt.pipeline`: one unit per block of dim-0 rows of each tensor
     (read from the lowest rank holding each piece on ``--workers`` threads, written in order);
-    under torchrun the ranks split the source files, each file rebuilt and checked by one rank.
+    under torchrun the ranks split the source files, each file rebuilt and checked by one rank, and
+    split the manifest's sha256 checks of the sharded folder before anything is written.
     """
     t0 = time.perf_counter()
-    sharded = ShardedCheckpoint.open(dst, progress=progress)
+    sharded = ShardedCheckpoint.open(dst, progress=progress, world=current_world())  # ranks split the checksums
     man = sharded.manifest
     root = sharded.root
     sources = man["source"]
@@ -927,4 +958,4 @@ def open_any(path: str | Path, **kw: Any) -> Any:
 
 
 __all__ = ["shard", "merge", "ShardedCheckpoint", "MANIFEST", "plan_checkpoint", "describe_plan", "open_any",
-           "check_files", "rank_dir", "raw_header"]
+           "check_files", "checked_by", "rank_dir", "raw_header"]

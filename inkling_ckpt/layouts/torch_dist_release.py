@@ -176,7 +176,10 @@ class TorchDistRelease:
             raise CheckpointError(f"{self.root}: rows {start}:{stop} of {name} are outside {list(t.shape)}")
         e = self.mapping.entry(t.key)
         if not e.stacked:
-            return self.get(name)[start:stop]
+            if not e.shape or not e.rule.by_rows:
+                return self.get(name)[start:stop]
+            rows = self.reader.read(e.key, (start, *(0 for _ in e.shape[1:])), (stop - start, *e.shape[1:]))
+            return self.mapping.rows_to_hf(e.key, rows, start).contiguous()
         mg = self.reader.read(e.key, (start, 0, 0), (stop - start, *e.shape[1:]))
         return self.mapping.to_hf(e.key, mg).contiguous()
 

@@ -296,9 +296,10 @@ class _Got:
     measured: list[tuple[float, float]] = field(default_factory=list)  # per merged expert: signal, error (float64)
 
 
-def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]]) -> list[Unit]:
+def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]], slice_bytes: int) -> list[Unit]:
     """Every group's steps in file order: an ``open``, then copies (contiguous spans up to
-    ``COPY_CHUNK``) and merges (row chunks of a linear, expert slices of a stack)."""
+    ``COPY_CHUNK``) and merges (row chunks of a linear, expert slices of about ``slice_bytes`` of
+    BF16 of a stack: ``--slice-mb``)."""
     unit_of = {n: u for u in units for n in u.writes}
     out: list[Unit] = []
     for g, files in enumerate(groups):
@@ -321,7 +322,7 @@ def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]]) -> list[U
             done.add(id(u))
             out += _copy_steps(span, g)
             span = []
-            out += _merge_steps(b, u, g)
+            out += _merge_steps(b, u, g, slice_bytes)
         out += _copy_steps(span, g)
     return out
 
@@ -335,7 +336,7 @@ def _copy_steps(span: list[Any], g: int) -> list[Unit]:
                  _Step("copy", g, f, lo, min(z, lo + COPY_CHUNK))) for lo in range(a, z, COPY_CHUNK)]
 
 
-def _merge_steps(b: _Base, u: _Unit, g: int) -> list[Unit]:
+def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int) -> list[Unit]:
     f = b.where[u.base]
     if u.stack is None:  # a float linear, a row chunk at a time
         (rows, cols), dtype = b.meta[u.base]
@@ -346,7 +347,7 @@ def _merge_steps(b: _Base, u: _Unit, g: int) -> list[Unit]:
                      _Step("linear", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
     E = u.stack.shape[0]
     per = sum(b.span(n)[2] - b.span(n)[1] for n in u.writes) // max(1, E)
-    cuts = expert_slices(u.stack)
+    cuts = expert_slices(u.stack, slice_bytes)
     return [Unit(f"{u.base}[{lo}:{hi}]", f, per * (hi - lo), per * (hi - lo), (),
                  _Step("experts", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
 
@@ -548,8 +549,8 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
 
     ``measure``: report the SQNR of every merged quantized expert tensor against its float32
     merged value. ``passthrough_zero=False`` re-encodes experts even when their delta is zero
-    (for testing the codec round trip). ``options``: device and workers (default ``--device
-    auto``); under torchrun the ranks split the base's file groups and publish one checkpoint.
+    (for testing the codec round trip). ``options``: device, slice budget and workers (default
+    ``--device auto``); under torchrun the ranks split the base's file groups and publish one checkpoint.
     """
     base_p, ad_p, dst_p = Path(base), Path(adapter), Path(dst)
     check_dst(dst_p, [base_p, ad_p])
@@ -570,7 +571,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 passthrough_zero: bool, ex: Executor) -> MergeResult:
     t0 = time.perf_counter()
     groups = _file_groups(b, units)
-    steps = _plan_steps(b, units, groups)
+    steps = _plan_steps(b, units, groups, ex.slice_bytes)
     sizes = [sum((b.root / f).stat().st_size for f in files) for files in groups]
     owner = assign(dict(enumerate(sizes)), ex.world.size)
     order = {id(u): i for i, u in enumerate(steps)}

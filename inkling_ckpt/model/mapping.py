@@ -29,7 +29,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Iterable, Mapping, Sequence
+from typing import ClassVar, Iterable, Mapping, Sequence
 
 import torch
 
@@ -45,6 +45,13 @@ _ROW_BY_PATTERN: dict[str, Row] = {r.pattern: r for r in TEXT_ROWS}
 
 #: Megatron keys a reader skips without complaint: training state, not weights.
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "common_state")
+
+#: The largest chunk a non-expert tensor is stored in (torch_dist layout): bigger ones, whose rule
+#: maps rows to rows, are stored as row ranges of at most this many bytes, so no step holds a
+#: whole embedding (201024 x 4608 BF16 = 1.85 GB) — the release's other non-expert tensors (57 MB
+#: at most) stay one chunk each. A fixed layout, not an option: the bytes written depend on the
+#: source alone. Equal to the default slice budget.
+DENSE_CHUNK_BYTES = 64 * 2**20
 
 
 # ---- rule types ---------------------------------------------------------------------------------
@@ -63,6 +70,9 @@ class Copy:
     hf: str
     site: str = "attn"
     vocab: bool = False
+
+    #: Rows ``a:b`` of one side map to rows ``a:b`` of the other: a tensor may move in row slices.
+    by_rows: ClassVar[bool] = True
 
     @property
     def row(self) -> Row:
@@ -247,12 +257,28 @@ class Entry:
         """The conversion unit: ``global`` or ``layer.N`` (N the decoder layer)."""
         return "global" if self.layer is None else f"layer.{self.layer}"
 
-    def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """How the tensor is stored: (offsets, sizes) per chunk; one per expert when stacked."""
+    def chunks(self, dense_bytes: int | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """How the tensor is stored: (offsets, sizes) per chunk; one per expert when stacked, row
+        ranges of at most ``dense_bytes`` (default :data:`DENSE_CHUNK_BYTES`) for a bigger tensor
+        whose rule moves rows apart, else one."""
         if self.stacked:
             e, r, c = self.shape
             return [((i, 0, 0), (1, r, c)) for i in range(e)]
-        return [((0,) * len(self.shape), self.shape)]
+        if not self.shape:
+            return [((), ())]
+        return [((a, *(0 for _ in self.shape[1:])), (b - a, *self.shape[1:])) for a, b in self.row_ranges(dense_bytes)]
+
+    def row_ranges(self, dense_bytes: int | None = None) -> list[tuple[int, int]]:
+        """The stored row ranges of a non-expert tensor (see :meth:`chunks`); ``[(0, 1)]`` for a scalar."""
+        limit = DENSE_CHUNK_BYTES if dense_bytes is None else dense_bytes
+        rows = self.shape[0] if self.shape else 1
+        row_bytes = self.dtype.itemsize
+        for n in self.shape[1:]:
+            row_bytes *= n
+        if len(self.shape) < 2 or not self.rule.by_rows or rows * row_bytes <= limit:
+            return [(0, rows)]
+        step = max(1, limit // max(1, row_bytes))
+        return [(a, min(rows, a + step)) for a in range(0, rows, step)]
 
 
 @dataclass(frozen=True)
@@ -435,6 +461,28 @@ class MegatronMapping:
             raise CheckpointError(f"{key}: {list(t.shape)}, the reference config says {list(want)}")
         return e.rule.to_hf(t)
 
+    def rows_to_megatron(self, key: str, t: torch.Tensor, start: int) -> torch.Tensor:
+        """Rows ``start:start+len(t)`` of a non-expert release tensor → the same rows of its Megatron form."""
+        e = self._rows_entry(key, t, start)
+        if t.dtype != e.dtype:
+            raise CheckpointError(f"{e.hf}: {t.dtype} does not fit {key} ({e.dtype})")
+        return e.rule.to_megatron(t)
+
+    def rows_to_hf(self, key: str, t: torch.Tensor, start: int) -> torch.Tensor:
+        """Rows ``start:start+len(t)`` of a non-expert Megatron tensor → the same rows of the release tensor
+        (rows of a padded vocabulary past the release's must not be asked for)."""
+        return self._rows_entry(key, t, start).rule.to_hf(t)
+
+    def _rows_entry(self, key: str, t: torch.Tensor, start: int) -> Entry:
+        e = self.entry(key)
+        if e.stacked or not e.rule.by_rows or len(e.shape) < 1:
+            raise CheckpointError(f"{key}: not a tensor that moves in row slices")
+        if t.dim() != len(e.shape) or tuple(t.shape[1:]) != tuple(e.shape[1:]) \
+                or not 0 <= start <= start + t.shape[0] <= e.shape[0]:
+            raise CheckpointError(f"{key}: rows {start}:{start + (t.shape[0] if t.dim() else 0)} "
+                                  f"{list(t.shape)} do not fit {list(e.shape)}")
+        return e
+
 
 # ---- which preset a folder's keys follow ---------------------------------------------------------
 
@@ -474,7 +522,7 @@ def stored_shape_ok(e: Entry, shape: Sequence[int]) -> bool:
 
 
 __all__ = [
-    "Copy", "Experts", "ExtraState", "Preset", "MILES", "BRIDGE", "PRESETS", "DEFAULT_PRESET", "get_preset",
+    "Copy", "Experts", "ExtraState", "Preset", "MILES", "BRIDGE", "PRESETS", "DEFAULT_PRESET", "DENSE_CHUNK_BYTES", "get_preset",
     "MegatronMapping", "Entry", "ObjectEntry", "Coverage", "SKIPPED_PREFIXES", "stored_shape_ok", "global_keys",
     "presets_of_keys", "layer_count",
 ]

@@ -25,6 +25,7 @@ import torch
 
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
+from .memory import steady_memory
 from .world import World, current_world, gather
 
 T = TypeVar("T")
@@ -42,6 +43,26 @@ def cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def share_cores(cores: int, local_ranks: int, workers: int, device_type: str) -> tuple[int, int]:
+    """``(workers, torch threads per worker)`` for one rank of ``local_ranks`` sharing ``cores``.
+
+    The ranks on one node split its cores evenly, and a rank's workers split its share, so the
+    node runs ``cores`` threads in all whatever the rank count (more oversubscribes: two ranks
+    each using every core ran slower than one). ``workers`` 0 means the default: one per core of
+    the rank's share, at most :data:`MAX_DEFAULT_WORKERS`, and at least 2 on a GPU (the GPU work of
+    a slice takes milliseconds; reading, checking and serializing it on the host does not, so the
+    host side wants several slices in flight). At least 1 each. On a GPU a worker mostly waits on
+    its stream or in I/O: one torch thread.
+    """
+    share = max(1, cores // max(1, local_ranks))
+    if workers <= 0:
+        workers = max(1, min(share, MAX_DEFAULT_WORKERS))
+        if device_type == "cuda":
+            workers = max(2, workers)
+    threads = max(1, share // workers) if device_type == "cpu" else 1
+    return workers, threads
 
 
 @dataclass(frozen=True)
@@ -67,7 +88,7 @@ class Options:
 
     device: str = "auto"
     slice_bytes: int = DEFAULT_SLICE_BYTES
-    workers: int = 0  # 0: min(cores, MAX_DEFAULT_WORKERS) (at least 2 with a GPU)
+    workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS; 2+ on a GPU)
     progress: bool = True
 
 
@@ -78,6 +99,7 @@ class RankStats:
     rank: int = 0
     device: str = "cpu"
     workers: int = 1
+    threads: int = 1  # torch threads per worker
     units: int = 0
     units_reused: int = 0
     bytes_read: int = 0
@@ -92,7 +114,8 @@ class RankStats:
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "device": self.device, "workers": self.workers, "units": self.units,
+        return {"rank": self.rank, "device": self.device, "workers": self.workers, "threads": self.threads,
+                "units": self.units,
                 "units_reused": self.units_reused, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
                 "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
@@ -103,20 +126,15 @@ class Executor:
     """Runs units for one command on one rank; see the module docstring."""
 
     def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None):
+        steady_memory()  # every command that streams tensors: freed slices go back to the OS
         self.options = options or Options()
         self.desc = desc
         self.world = world or current_world()
         self.device = resolve_device(self.options.device)
         self.slice_bytes = max(1, int(self.options.slice_bytes))
-        if self.options.workers > 0:
-            self.workers = self.options.workers
-        elif self.device.type == "cuda":
-            # The GPU work of a slice is milliseconds; reading, checking and serializing it on the host
-            # is not, so the host side wants several slices in flight (each holds its own GPU memory).
-            self.workers = max(2, min(cores(), MAX_DEFAULT_WORKERS))
-        else:
-            self.workers = max(1, min(cores(), MAX_DEFAULT_WORKERS))
-        self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers)
+        self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type)
+        self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers,
+                               threads=self.threads)
         self._t0 = time.perf_counter()
         self._local = threading.local()
         if self.device.type == "cuda":
@@ -135,22 +153,27 @@ class Executor:
         """
         if not units:
             return
+        threads = self.threads
+        main_threads = torch.get_num_threads()
         clock = time.perf_counter
         stats = self.stats
         if self.workers == 1 and self.device.type == "cpu":
-            for u in units:  # no thread: the simplest schedule, same results
-                t = clock()
-                r = transform(u)
-                t1 = clock()
-                stats.wait_seconds += t1 - t
-                yield u, r
-                stats.sink_seconds += clock() - t1
+            torch.set_num_threads(threads)  # this rank's share of the node's cores
+            try:
+                for u in units:  # no thread: the simplest schedule, same results
+                    t = clock()
+                    r = transform(u)
+                    t1 = clock()
+                    stats.wait_seconds += t1 - t
+                    yield u, r
+                    del r
+                    stats.sink_seconds += clock() - t1
+            finally:
+                torch.set_num_threads(main_threads)
             return
-        threads = max(1, cores() // self.workers) if self.device.type == "cpu" else 1
-        main_threads = torch.get_num_threads()
 
         def init() -> None:
-            torch.set_num_threads(threads)  # per worker: the workers together use the cores once
+            torch.set_num_threads(threads)  # per worker: the ranks' workers together use the cores once
 
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="inkling-unit", initializer=init)
         pending: deque[tuple[Any, Future[T]]] = deque()
@@ -251,4 +274,4 @@ def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "MAX_DEFAULT_WORKERS", "cores",
-           "to_host"]
+           "share_cores", "to_host"]

@@ -27,6 +27,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1  # ranks on this node (they share its cores)
 
     @property
     def distributed(self) -> bool:
@@ -36,8 +37,17 @@ class World:
 def current_world() -> World:
     """The world of the initialised process group, else one process."""
     if dist.is_available() and dist.is_initialized():
-        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+        return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")),
+                     local_ranks())
     return World()
+
+
+def local_ranks() -> int:
+    """Ranks torchrun started on this node (``LOCAL_WORLD_SIZE``; 1 outside torchrun or when unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def launched_ranks() -> int:
@@ -106,4 +116,4 @@ def assign(sizes: Mapping[K, int], ranks: int) -> dict[K, int]:
     return owner
 
 
-__all__ = ["World", "current_world", "launched_ranks", "torchrun", "broadcast", "gather", "all_ok", "assign"]
+__all__ = ["World", "current_world", "launched_ranks", "local_ranks", "torchrun", "broadcast", "gather", "all_ok", "assign"]
