@@ -88,7 +88,9 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
                "print('BENCH ' + json.dumps({'rc': p.returncode, 'rss': ru.ru_maxrss * 1024, 'wall': time.perf_counter() - t0}))\n"
                "sys.exit(p.returncode)\n", *cmd]
     bc.settle(*inputs)
-    p = subprocess.run(wrapper, env=_code_env(code), capture_output=True, text=True)
+    # From inside ``code``: `python -m` puts the working folder first on sys.path, ahead of PYTHONPATH,
+    # so run from another checkout's root a step would import that checkout instead.
+    p = subprocess.run(wrapper, env=_code_env(code), capture_output=True, text=True, cwd=code)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     info = json.loads(p.stdout.rsplit("BENCH ", 1)[1])
@@ -193,7 +195,7 @@ def gpu_name() -> str:
 
 
 def grid(args: argparse.Namespace) -> dict:
-    work = Path(args.work)
+    work = Path(args.work).resolve()  # steps run from inside --code
     work.mkdir(parents=True, exist_ok=True)
     code = Path(args.code).resolve()
     tag = f"wide-{args.layers}L" + (f"-{args.experts}e" if args.experts else "")
@@ -255,7 +257,7 @@ def grid(args: argparse.Namespace) -> dict:
 
 
 def full_layer(args: argparse.Namespace) -> dict:
-    work = Path(args.work)
+    work = Path(args.work).resolve()  # steps run from inside --code
     work.mkdir(parents=True, exist_ok=True)
     code = Path(args.code).resolve()
     device = args.devices[0]

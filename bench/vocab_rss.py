@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -54,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     args.work = args.work.resolve()
-    os.chdir(args.work)  # `python -m` imports from the working folder first: never a checkout's own tree
+    args.code = args.code.resolve()
     bf16, mg, mixed = args.work / "vocab-bf16", args.work / "vocab-megatron", args.work / "vocab-mixed"
     make_fixture(bf16, args.experts, args.code)
     cli = [sys.executable, "-m", "inkling_ckpt"]

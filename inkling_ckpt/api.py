@@ -351,24 +351,32 @@ def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, 
 
 
 def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = None, exact: bool = False,
-           config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False) -> dict[str, Any]:
-    """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``)."""
+                   config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False,
+                   device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+    """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``).
+
+    Collective when the caller runs under torchrun: the ranks split the units, every rank returns
+    the whole report (rank 0 draws ``plot``)."""
     import math
 
+    from .pipeline import current_world
     from .verify.compare import build_report, compare, plot_report
 
     if min_sqnr is not None and not math.isfinite(min_sqnr):
         raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
-    rep = build_report(compare(a, b, progress=progress, config=config), min_sqnr=min_sqnr, exact=exact)
-    if plot is not None:
+    options = _options(device, slice_mb, workers, progress)
+    rep = build_report(compare(a, b, config=config, options=options), min_sqnr=min_sqnr, exact=exact)
+    if plot is not None and current_world().rank == 0:
         plot_report(rep, plot)
     return rep
 
 
 def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = None, random: int | None = None,
                    batch: int = 2, seed: int = 0, device: str = "cpu", dtype: str = "auto",
-                   max_kl: float | None = None, progress: bool = False) -> dict[str, Any]:
-    """Run both HF checkpoints through transformers' Inkling 2 model; KL, top-1 agreement, per-layer error."""
+                   max_kl: float | None = None, progress: bool = False, slice_mb: int = 64) -> dict[str, Any]:
+    """Run both HF checkpoints through transformers' Inkling 2 model; KL, top-1 agreement, per-layer error.
+
+    Routed experts run ``slice_mb`` MiB (BF16) of experts at a time, not a whole layer at once."""
     from .errors import ConfigError
     from .layouts.detect import HF, TORCH_DIST, detect_layout
 
@@ -391,7 +399,10 @@ def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = 
         ids = read_tokens(Path(tokens), vocab_size=int(_load_config(tf, a).get_text_config().vocab_size))
     elif random is None:
         random = 128
+    if int(slice_mb) < 1:
+        raise ConfigError(f"--slice-mb {slice_mb}: must be at least 1")
     return compare_forward(a, b, input_ids=ids, random=random, batch=batch, seed=seed, device=device, dtype=dtype,
+                           slice_bytes=int(slice_mb) * 2**20,
                            max_kl=max_kl, progress=progress, tokens_label=str(tokens) if tokens else None)
 
 

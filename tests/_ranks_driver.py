@@ -1,12 +1,14 @@
 """Runs several inkling-ckpt commands in one torchrun launch (one process-group start for all).
 
 Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K] [--dense-chunk-bytes B]
+       [--keep-going]
 
 JOBS.json: a list of argument lists, run in order through the CLI. ``--die-after K``: rank 1
 exits hard (``os._exit``) after writing K units, as a crashed rank would. ``--dense-chunk-bytes B``:
 torch_dist outputs store non-expert tensors over B bytes in row ranges (``model.mapping.DENSE_CHUNK_BYTES``,
-so the tiny fixtures exercise the layout of the real embeddings). Rank 0 prints each job's exit
-code and, for every job, its report as JSON (``"ranks"`` included).
+so the tiny fixtures exercise the layout of the real embeddings). ``--keep-going``: run every job
+even after one fails. Rank 0 prints each job's exit code and, for every job, its report as JSON
+(``"ranks"`` included); every rank prints its own exit code (``RANK r EXIT code``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ def _capture_results() -> list:
     cli_lora.emit = capture_emit
     import inkling_ckpt.cli.shard as cli_shard
     cli_shard.emit = capture_emit
+    import inkling_ckpt.cli.verify as cli_verify
+    cli_verify.emit = capture_emit
     return seen
 
 
@@ -70,6 +74,8 @@ if __name__ == "__main__":
     # One process group for every job (each command joins it instead of starting its own:
     # re-creating gloo groups back to back in one process is slow and races on the ports).
     dist.init_process_group("gloo")
+    keep_going = "--keep-going" in sys.argv  # run every job even after one fails (an exit status is the check)
+    worst = 0
     for args in jobs:
         try:
             main(list(args))
@@ -78,8 +84,12 @@ if __name__ == "__main__":
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if rank == 0:
             print(f"EXIT {code} {' '.join(args[:2])}", flush=True)
-        if code:
+        print(f"RANK {rank} EXIT {code}", flush=True)  # every rank's status, for commands that must agree
+        worst = max(worst, code)
+        if code and not keep_going:
             sys.exit(code)
+    dist.barrier()  # every rank's lines are out before rank 0's long RESULT line (one pipe, no interleaving)
     if rank == 0 and results:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
+    sys.exit(worst)

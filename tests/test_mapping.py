@@ -87,6 +87,11 @@ def test_full_size_keys_follow_the_spec():
     for e in m.entries():
         if not e.stacked and e.key not in ("embedding.word_embeddings.weight", "output_layer.weight"):
             assert e.chunks() == [((0,) * len(e.shape), e.shape)], e.key
+    # Layer tensors keep one chunk each (spec/megatron.md), an F32 one over the limit too (113 MB).
+    wq = f"{TEXT}.layers.0.attn.wq_du.weight"
+    big_layer = MegatronMapping(FULL, dtypes={wq: torch.float32}).entry_for_hf(wq)
+    assert big_layer.shape == (6144, 4608) and 6144 * 4608 * 4 > DENSE_CHUNK_BYTES
+    assert big_layer.chunks() == [((0, 0), (6144, 4608))]
     # 1,514 release tensors = the text ones here plus the vision tower's.
     assert len(m.keys()) == 1092
     objs = m.extra_state()

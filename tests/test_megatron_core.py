@@ -41,9 +41,9 @@ def test_megatron_core_loads_every_value(converted):
 
 
 def test_megatron_core_loads_big_tensors_stored_in_row_ranges(tmp_path):
-    """Tensors above DENSE_CHUNK_BYTES (the real embeddings) are stored as several row-range chunks;
+    """Global tensors above DENSE_CHUNK_BYTES (the real embeddings) are stored as row-range chunks;
     Megatron-Core's load assembles them into its own shards (here: chunks of 48 KiB, so the
-    embeddings and the bigger attention weights of the tiny model are split)."""
+    tiny model's embeddings are split)."""
     from inkling_ckpt.convert.megatron import hf_to_megatron
     from inkling_ckpt.layouts.hf import HFCheckpoint
     from inkling_ckpt.layouts.megatron import TorchDistCheckpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -153,6 +154,19 @@ def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
     memory.steady_memory()  # nothing to call, nothing raised
 
 
+def test_each_local_rank_takes_its_own_gpu(monkeypatch):
+    """Under torchrun, --device cuda/auto is the rank's LOCAL_RANK GPU (modulo the GPUs there are)."""
+    from inkling_ckpt.pipeline import device as device_mod
+
+    monkeypatch.setattr(device_mod, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for local, want in (("0", 0), ("1", 1), ("3", 1)):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert resolve_device("cuda") == torch.device("cuda", want)
+        assert resolve_device("auto") == torch.device("cuda", want)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)  # an explicit GPU is kept
+
+
 def test_device_choice():
     assert resolve_device("cpu").type == "cpu"
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
@@ -299,9 +313,41 @@ def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):
     assert "2 ranks" in r.stdout
 
 
+def _run_free(rep: dict) -> dict:
+    """A verify report without what depends on the run (time, who did what)."""
+    return {k: v for k, v in rep.items() if k not in ("seconds", "ranks")}
+
+
+def test_two_ranks_verify_as_one_process_and_exit_alike(cli, tmp_path):
+    # mixed vs bf16: inexact experts, exact dense tensors. The small fixture's 512 x 512 experts make
+    # each stacked weight 16 units at a 1 MiB slice: sums that would move with the order of pooling.
+    for variant in ("bf16", "mixed"):
+        code, _, err = cli("make-fixture", tmp_path / variant, "--size", "small", "--layers", "2", "--variant", variant,
+                           "-q")
+        assert code == 0, err
+    args = ["verify", str(tmp_path / "bf16"), str(tmp_path / "mixed"), "-q", "--device", "cpu", "--slice-mb", "1",
+            "--json"]
+    code, out, err = cli(*args, "--workers", "1")
+    assert code == 0, err
+    one = json.loads(out)
+    r = _torchrun([[*args, "--workers", "2"], [*args, "--exact"]], tmp_path, "--keep-going")
+    assert r.returncode != 0  # the --exact job fails ...
+    # ... on both ranks (the ranks share stdout: their lines may interleave with the reports)
+    assert sorted(re.findall(r"RANK (\d) EXIT (\d)", r.stdout)) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], \
+        r.stdout + r.stderr[-2000:]
+    two, failed = json.loads(r.stdout.split("RESULT ", 1)[1])  # rank 0's reports only: one per job
+    assert not failed["thresholds"]["passed"] and _run_free(failed)["summary"] == one["summary"]
+    assert _run_free(two) == _run_free(one)
+    assert one["ranks"]["count"] == 1 and two["ranks"]["count"] == 2
+    each = two["ranks"]["each"]
+    assert all(0 < e["units"] < one["ranks"]["each"][0]["units"] for e in each)  # a share each, not the whole job
+    assert sum(e["units"] for e in each) == one["ranks"]["each"][0]["units"]
+    assert sum(e["bytes_read"] for e in each) == two["bytes_read"] == one["bytes_read"]
+
+
 def test_two_ranks_write_big_tensors_in_row_ranges_as_one_process(cli, tmp_path, monkeypatch):
-    """The torch_dist layout of tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so the
-    tiny embeddings and attention weights are split) is the same from 1 and 2 ranks, both ways."""
+    """The torch_dist layout of global tensors over DENSE_CHUNK_BYTES (row-range chunks; 48 KiB here, so
+    the tiny embeddings are split) is the same from 1 and 2 ranks, both ways."""
     from inkling_ckpt.layouts.megatron import TorchDistCheckpoint
     from inkling_ckpt.model import mapping
 

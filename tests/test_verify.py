@@ -56,7 +56,10 @@ def test_report_schema(mixed_vs_bf16):
     rep = mixed_vs_bf16
     assert rep["schema"] == SCHEMA
     assert set(rep) == {"schema", "a", "b", "summary", "formats", "layers", "tensors", "thresholds", "not_compared",
-                        "rounding"}
+                        "rounding", "seconds", "bytes_read", "ranks"}
+    assert rep["ranks"]["count"] == 1 and rep["ranks"]["each"][0]["units"] > 1
+    both = sum(p.stat().st_size for v in ("tiny-bf16", "tiny-mixed") for p in (FIXTURES / v).glob("*.safetensors"))
+    assert 0.9 * both < rep["bytes_read"] <= both  # both sides read once (less their headers)
     assert rep["not_compared"] == {"only_a": [], "only_b": []}
     assert set(rep["a"]) == {"source", "layout", "variant", "precision_plan"}
     stats = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs", "rel_rmse",
@@ -134,3 +137,99 @@ def test_plot_one_line_per_format(mixed_vs_bf16, tmp_path, capsys):
     code, _, _ = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(FIXTURES / "tiny-mixed"), "-q", "--plot",
                        str(tmp_path / "cli.png")], capsys)
     assert code == 0 and (tmp_path / "cli.png").stat().st_size > 1000
+
+
+# ---- on the shared executor: the figures never depend on how the work was spread --------------------
+
+def _run_free(rep: dict) -> dict:
+    return {k: v for k, v in rep.items() if k not in ("seconds", "ranks")}
+
+
+def _tree(values: list[float]) -> float:
+    """The pairwise order _sum_sq promises, in plain Python floats."""
+    while len(values) > 1:
+        h = len(values) // 2
+        values = [values[i] + values[h + i] for i in range(h)] + values[2 * h:]
+    return values[0] if values else 0.0
+
+
+def test_sum_of_squares_is_exact_per_square_in_a_fixed_order():
+    from inkling_ckpt.verify.compare import _sum_sq
+
+    x = torch.randn(100_003, generator=torch.Generator().manual_seed(0)) * 1e3
+    want = _tree([float(v) * float(v) for v in x.tolist()])  # float64 squares of float32 values are exact
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            assert _sum_sq(x) == want
+    finally:
+        torch.set_num_threads(threads)
+    assert _sum_sq(torch.empty(0)) == 0.0 and _sum_sq(torch.tensor([3.0])) == 9.0
+    assert math.isclose(want, math.fsum(float(v) ** 2 for v in x.tolist()), rel_tol=1e-13)
+
+
+@pytest.mark.parametrize("pair", [("tiny-bf16", "tiny-mixed"), ("tiny-mixed", "tiny-mxfp8")])
+def test_workers_and_slices_do_not_change_the_report(pair, monkeypatch):
+    from inkling_ckpt.pipeline import Options
+    from inkling_ckpt.verify import compare as cmp
+
+    monkeypatch.setattr(cmp, "DECODE_ELEMENTS", 4096)  # several decode pieces per unit: more sums to order
+    a, b = (FIXTURES / p for p in pair)
+    small = 96 * 1024  # several units per stacked expert weight and per embedding
+    one = build_report(compare(a, b, options=Options(device="cpu", slice_bytes=small, workers=1, progress=False)))
+    many = build_report(compare(a, b, options=Options(device="cpu", slice_bytes=small, workers=3, progress=False)))
+    assert one["ranks"]["each"][0]["units"] > 30 and many["ranks"]["each"][0]["workers"] == 3
+    assert _run_free(many) == _run_free(one)
+    # the same verdicts and (to rounding) the same figures as one piece per tensor
+    whole = build_report(compare(a, b, progress=False))
+    assert [(t["name"], t["verdict"], t["exact_elements"], t["max_abs"]) for t in whole["tensors"]] == \
+        [(t["name"], t["verdict"], t["exact_elements"], t["max_abs"]) for t in one["tensors"]]
+    for t, u in zip(whole["tensors"], one["tensors"], strict=True):
+        assert (t["sqnr_db"] is None) == (u["sqnr_db"] is None)
+        assert t["sqnr_db"] is None or math.isclose(t["sqnr_db"], u["sqnr_db"], rel_tol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_report_is_the_same_on_the_gpu():
+    from inkling_ckpt.pipeline import Options
+
+    for pair in (("tiny-bf16", "tiny-mixed"), ("tiny-mixed", "tiny-mxfp8"), ("tiny-bf16", "tiny-bf16")):
+        a, b = (FIXTURES / p for p in pair)
+        cpu = build_report(compare(a, b, options=Options(device="cpu", progress=False)))
+        gpu = build_report(compare(a, b, options=Options(device="cuda", progress=False)))
+        assert gpu["ranks"]["each"][0]["device"].startswith("cuda")
+        assert _run_free(gpu) == _run_free(cpu), pair
+
+
+def test_pieces_pool_in_plan_order_whatever_order_they_arrived_in():
+    from dataclasses import astuple
+
+    from inkling_ckpt.pipeline import Unit
+    from inkling_ckpt.verify.compare import Stats, _fold
+
+    # Σ over pieces in float64 is not associative: (1e16 + 1) - 1e16 == 0, (1e16 - 1e16) + 1 == 1.
+    signal = [1e16, 1.0, -1e16]
+    units = [Unit(f"u{i}") for i in range(3)]
+    done = {f"u{i}": [("w", astuple(Stats(tensors=1, elements=1, signal=signal[i], noise=1.0)), None)]
+            for i in (2, 0, 1)}  # as the ranks handed them back
+    (item,) = _fold([("w", "nvfp4", 0)], units, done)
+    assert item.stats.signal == (1e16 + 1.0) - 1e16 == 0.0
+    assert item.stats.elements == 3 and item.stats.tensors == 1 and item.verdict == "mismatch"
+
+
+def test_forward_mode_refuses_torchrun_and_tensor_only_options(capsys, monkeypatch):
+    a = str(FIXTURES / "tiny-bf16")
+    code, _, err = _cli(["verify", a, a, "--forward", "--workers", "2", "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--workers does not apply with --forward" in err
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun starts each rank
+    code, _, err = _cli(["verify", a, a, "--forward", "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "without torchrun" in err
+
+
+def test_text_report_says_how_it_ran(capsys):
+    code, out, _ = _cli(["verify", str(FIXTURES / "tiny-bf16"), str(FIXTURES / "tiny-mixed"), "-q", "--device", "cpu",
+                         "--workers", "2"], capsys)
+    assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("read "))
+    assert " in " in line and "MB/s" in line and line.endswith("; cpu)") and "ranks" not in line

@@ -97,15 +97,43 @@ def experts(layer: int, which: str) -> str:
 # -- exactness -------------------------------------------------------------------------------
 
 
+#: BF16 bytes of one tiny expert (gate/up and down): slices of 1 byte hold one expert each.
+EXPERT_BYTES = (2 * F * H + H * F) * 2
+
+
+def _slices_read(streamed: "fwd.StreamedModel") -> list[tuple[int, int]]:
+    """Record the expert ranges the streamed layers read (and check nothing else is materialised)."""
+    seen: list[tuple[int, int]] = []
+    read = streamed._expert_slice
+
+    def spy(params, first, last):
+        seen.append((first, last))
+        for src in params.values():  # the whole stacked parameter is never materialised
+            assert streamed.model.get_parameter(src.target).is_meta
+        return read(params, first, last)
+
+    streamed._expert_slice = spy  # type: ignore[method-assign]
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_streamed_logits_equal_from_pretrained_bit_for_bit(tiny, ids, dtype):
+@pytest.mark.parametrize("slice_bytes", [None, 1, 3 * EXPERT_BYTES, 10**9], ids=["whole", "1", "3", "all"])
+def test_streamed_logits_equal_from_pretrained_bit_for_bit(tiny, ids, dtype, slice_bytes):
     ref = reference_logits(tiny[dtype], dtype, ids)
-    streamed = fwd.StreamedModel(tiny[dtype], dtype=dtype)
+    streamed = fwd.StreamedModel(tiny[dtype], dtype=dtype, expert_slice_bytes=slice_bytes)
+    seen = _slices_read(streamed)
     got = streamed.forward(ids)
     assert got.dtype == ref.dtype == torch.float32 and got.shape == (2, SEQ, 250)
     assert torch.equal(got, ref)
     # everything went back to meta: nothing of the checkpoint is held after the run
     assert all(p.is_meta for p in streamed.model.parameters())
+    assert all("forward" not in vars(m) for m in streamed.model.modules())  # the experts' own forward again
+    step = {None: None, 1: 1, 3 * EXPERT_BYTES: 3, 10**9: E}[slice_bytes]
+    if step is None:
+        assert seen == [] and not any(u.streamed for u in streamed.units)
+    else:  # each layer's experts a slice at a time (slices no token is routed to are not read)
+        assert seen and set(seen) <= {(a, min(E, a + step)) for a in range(0, E, step)}
+        assert len(seen) > LAYERS * (E // step > 1)
 
 
 @pytest.mark.gpu
@@ -117,6 +145,8 @@ def test_streamed_logits_equal_from_pretrained_on_cuda(tiny, mixed, ids):
         want = ref(input_ids=ids.cuda()).logits
     got = fwd.StreamedModel(tiny[torch.bfloat16], dtype=torch.bfloat16, device="cuda").forward(ids)
     assert got.device.type == "cuda" and torch.equal(got, want)
+    sliced = fwd.StreamedModel(tiny[torch.bfloat16], dtype=torch.bfloat16, device="cuda", expert_slice_bytes=1)
+    assert torch.equal(sliced.forward(ids), want)
     # quantized experts decoded on the GPU give what the CPU decode gives
     _, q, _ = mixed
     on_gpu = fwd.StreamedModel(q, dtype=torch.bfloat16, device="cuda")
@@ -232,11 +262,14 @@ def mixed(tiny, tmp_path_factory):
     return src, q, d
 
 
-def test_quantized_checkpoint_runs_as_its_decoded_bf16(mixed, ids):
+@pytest.mark.parametrize("slice_bytes", [None, 1, 3 * EXPERT_BYTES], ids=["whole", "1", "3"])
+def test_quantized_checkpoint_runs_as_its_decoded_bf16(mixed, ids, slice_bytes):
     src, q, d = mixed
     ref = reference_logits(d, torch.bfloat16, ids)
-    got = fwd.StreamedModel(q, dtype=torch.bfloat16).forward(ids)
-    assert torch.equal(got, ref)
+    streamed = fwd.StreamedModel(q, dtype=torch.bfloat16, expert_slice_bytes=slice_bytes)
+    seen = _slices_read(streamed)
+    assert torch.equal(streamed.forward(ids), ref)
+    assert bool(seen) == (slice_bytes is not None)
 
 
 def test_mixed_vs_bf16_per_layer_table(mixed, ids):

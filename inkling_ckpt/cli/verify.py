@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -9,7 +10,8 @@ from typing import Optional
 import typer
 
 from .app import app, declares
-from .options import JSON, QUIET, REVISION, TOKEN, VERBOSE, ForwardDtype, emit, hub, setup
+from .options import (DEVICE, JSON, QUIET, REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, ForwardDtype, emit, hub,
+                      joined, setup)
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
 # tensor comparison, and the tensor mode nothing of transformers); --help must not need them.
@@ -29,13 +31,19 @@ _HELP = "\n\n".join([
      f"FILE.png draws SQNR per layer, one line per expert format (needs the 'plot' extra). Exit status: 0 "
      f'when the thresholds hold (--min-sqnr DB for every tensor, --exact for bit identity), 1 when they do '
      f'not, 2 on bad input.'),
+    ('It runs on the shared pipeline: --device decodes and compares there (the figures are the same on every '
+     'device), --slice-mb is what one unit reads of both sides, --workers units run at once. Under torchrun '
+     '--nproc_per_node N the ranks split the units; rank 0 prints the one report (its "ranks" field says what '
+     'each rank did) and every rank exits with the same status.'),
     ('--forward instead runs both release-layout checkpoints through transformers\' Inkling 2 model (the '
      "'forward' extra: transformers 5.24) on one token batch, streamed one decoder layer at a time "
      '(quantized experts decoded on the fly), and reports KL(A||B) of the next-token distribution (mean and '
      'max over positions), top-1 agreement, max |delta logit| and, per layer, the relative error of the hidden '
      f'state after that layer. Tokens: --tokens FILE (JSON list(s) of ids, or one sequence of ids per line) or '
      f'--random N (--batch sequences of N ids from --seed; the default is --random 128). --json: schema '
-     f'{_FORWARD_SCHEMA} (inkling_ckpt/verify/forward.py); --max-kl fails (exit 1) above that KL.'),
+     f'{_FORWARD_SCHEMA} (inkling_ckpt/verify/forward.py); --max-kl fails (exit 1) above that KL. The model '
+     f'runs on --device (auto: CUDA when present), in one process, each layer\'s routed experts --slice-mb '
+     f'at a time.'),
 ])
 
 
@@ -55,7 +63,6 @@ def verify_cmd(
     random: Optional[int] = typer.Option(None, "--random", metavar="N", help="--forward: N random tokens per sequence."),
     batch: int = typer.Option(2, "--batch", metavar="N", help="--forward --random: sequences in the batch."),
     seed: int = typer.Option(0, "--seed", metavar="N", help="--forward --random: seed of the token ids."),
-    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="--forward: cpu or cuda[:N]."),
     dtype: ForwardDtype = typer.Option(ForwardDtype.auto, "--dtype", help="--forward: auto is A's config dtype."),
     max_kl: Optional[float] = typer.Option(None, "--max-kl", metavar="X",
                                            help="--forward: fail (exit 1) if max KL(A||B) exceeds this."),
@@ -67,6 +74,9 @@ def verify_cmd(
     as_json: bool = JSON,
     quiet: bool = QUIET,
     verbose: int = VERBOSE,
+    device: str = DEVICE,
+    slice_mb: int = SLICE_MB,
+    workers: int = WORKERS,
 ) -> None:
     setup(verbose)
     from .. import api
@@ -74,15 +84,20 @@ def verify_cmd(
 
     if forward:
         tensor_only = {"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
-                       "--config": config is not None}
+                       "--config": config is not None, "--workers": workers != WORKERS.default}
         given = [k for k, v in tensor_only.items() if v]
         if given:
             raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
+        from ..pipeline import launched_ranks
         from ..verify.forward import render_forward_report
+
+        if launched_ranks() > 1:
+            raise ConfigError("verify --forward runs in one process (each rank would run the whole model); "
+                              "start it without torchrun")
 
         with hub(revision, token):
             rep = api.verify_forward(a, b, tokens=tokens, random=random, batch=batch, seed=seed, device=device,
-                                     dtype=dtype.value, max_kl=max_kl, progress=not quiet)
+                                     dtype=dtype.value, max_kl=max_kl, progress=not quiet, slice_mb=slice_mb)
         emit(rep, as_json, render_forward_report)
         if not rep["thresholds"]["passed"]:
             if as_json:
@@ -96,10 +111,13 @@ def verify_cmd(
         raise ConfigError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} with --forward")
     from ..verify.compare import render_report
 
-    with hub(revision, token):
-        rep = api.verify_tensors(a, b, min_sqnr=min_sqnr, exact=exact, config=config, plot=plot, progress=not quiet)
-    emit(rep, as_json, lambda r: render_report(r, top=top))
-    if not rep["thresholds"]["passed"]:
-        if as_json:
+    with hub(revision, token), joined():
+        rep = api.verify_tensors(a, b, min_sqnr=min_sqnr, exact=exact, config=config, plot=plot, progress=not quiet,
+                                 device=device, slice_mb=slice_mb, workers=workers)
+    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun: one report, from rank 0
+    if first:
+        emit(rep, as_json, lambda r: render_report(r, top=top))
+    if not rep["thresholds"]["passed"]:  # every rank holds the whole report: the same exit status everywhere
+        if as_json and first:
             print(f"inkling-ckpt: verify: {rep['thresholds']['failures']} tensors fail the threshold", file=sys.stderr)
         raise typer.Exit(1)

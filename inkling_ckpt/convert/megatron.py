@@ -2,8 +2,8 @@
 
 The key layout is a preset table (:mod:`inkling_ckpt.model.mapping`, default ``miles``).
 
-hf-to-megatron streams: every stored chunk (one layer tensor, a row range of a big one such as
-the embeddings, or one expert of a layer's ``linear_fc1`` / ``linear_fc2``) is built only when
+hf-to-megatron streams: every stored chunk (one layer tensor, a row range of a big global one —
+the embeddings —, or one expert of a layer's ``linear_fc1`` / ``linear_fc2``) is built only when
 the storage writer asks for it, from the bytes it needs — an expert is read, decoded from its layer's format to BF16 and de-interleaved on
 its own — so memory stays at a few chunks. Non-expert tensors keep their stored dtype. Under
 ``torchrun`` each rank takes a share of the conversion units (global tensors, each decoder layer)

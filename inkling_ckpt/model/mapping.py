@@ -46,11 +46,11 @@ _ROW_BY_PATTERN: dict[str, Row] = {r.pattern: r for r in TEXT_ROWS}
 #: Megatron keys a reader skips without complaint: training state, not weights.
 SKIPPED_PREFIXES = ("optimizer.", "rng_state", "common_state")
 
-#: The largest chunk a non-expert tensor is stored in (torch_dist layout): bigger ones, whose rule
-#: maps rows to rows, are stored as row ranges of at most this many bytes, so no step holds a
-#: whole embedding (201024 x 4608 BF16 = 1.85 GB) — the release's other non-expert tensors (57 MB
-#: at most) stay one chunk each. A fixed layout, not an option: the bytes written depend on the
-#: source alone. Equal to the default slice budget.
+#: The largest chunk a global tensor is stored in (torch_dist layout): bigger ones, whose rule maps
+#: rows to rows, are stored as row ranges of at most this many bytes, so no step holds a whole
+#: embedding (201024 x 4608 BF16 = 1.85 GB). Layer tensors keep the spec's one chunk each (57 MB
+#: at most in BF16). A fixed layout, not an option: the bytes written depend on the source alone.
+#: Equal to the default slice budget.
 DENSE_CHUNK_BYTES = 64 * 2**20
 
 
@@ -259,8 +259,8 @@ class Entry:
 
     def chunks(self, dense_bytes: int | None = None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """How the tensor is stored: (offsets, sizes) per chunk; one per expert when stacked, row
-        ranges of at most ``dense_bytes`` (default :data:`DENSE_CHUNK_BYTES`) for a bigger tensor
-        whose rule moves rows apart, else one."""
+        ranges of at most ``dense_bytes`` (default :data:`DENSE_CHUNK_BYTES`) for a bigger global
+        tensor whose rule moves rows apart, else one."""
         if self.stacked:
             e, r, c = self.shape
             return [((i, 0, 0), (1, r, c)) for i in range(e)]
@@ -275,7 +275,7 @@ class Entry:
         row_bytes = self.dtype.itemsize
         for n in self.shape[1:]:
             row_bytes *= n
-        if len(self.shape) < 2 or not self.rule.by_rows or rows * row_bytes <= limit:
+        if self.layer is not None or len(self.shape) < 2 or not self.rule.by_rows or rows * row_bytes <= limit:
             return [(0, rows)]
         step = max(1, limit // max(1, row_bytes))
         return [(a, min(rows, a + step)) for a in range(0, rows, step)]

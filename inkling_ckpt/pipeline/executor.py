@@ -214,19 +214,23 @@ class Executor:
         return out
 
     def run(self, units: Sequence[Unit], transform: Callable[[Unit], T], sink: Callable[[Unit, T], None], *,
-            reused: Sequence[Unit] = (), total_bytes: int | None = None) -> RankStats:
+            reused: Sequence[Unit] = (), total_bytes: int | None = None, read_only: bool = False) -> RankStats:
         """Transform every unit and hand each result to ``sink`` in order, with a progress bar.
 
         ``reused`` are this rank's units an interrupted run already wrote (counted, not redone).
+        ``read_only``: a job that writes nothing (``verify``); the bar counts the bytes read.
         """
-        done_bytes = sum(u.write_bytes for u in reused)
-        total = total_bytes if total_bytes is not None else done_bytes + sum(u.write_bytes for u in units)
+        def size(u: Unit) -> int:
+            return u.read_bytes if read_only else u.write_bytes
+
+        done_bytes = sum(size(u) for u in reused)
+        total = total_bytes if total_bytes is not None else done_bytes + sum(size(u) for u in units)
         self.note_reused(reused)
         with self.progress(total, initial=done_bytes) as bar:
             for u, result in self.map(units, transform):
                 sink(u, result)
                 self.note_done(u)
-                bar.advance(u.write_bytes, u.where)
+                bar.advance(size(u), u.where)
         return self.stats
 
     def progress(self, total: int, *, initial: int = 0) -> ByteProgress:

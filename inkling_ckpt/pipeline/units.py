@@ -100,10 +100,11 @@ def stack_units(stack: ExpertStack, slice_bytes: int, layers: int, *, read_bytes
 
 
 def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack], slice_bytes: int, layers: int, *,
-                  stack_read_bytes: Mapping[str, int], row_reads: bool = True) -> list[Unit]:
-    """The units of an HF output in inventory order: each run of dense tensors (``dense_units``), then
-    the stacked experts that follow it slice by slice (``stack_units`` of ``stacks[base]``, reading
-    ``stack_read_bytes[base]`` in all)."""
+                  stack_read_bytes: Mapping[str, int], row_reads: bool = True,
+                  read_bytes: Callable[[TensorSpec], int] | None = None) -> list[Unit]:
+    """The units of an HF output in inventory order: each run of dense tensors (``dense_units``, reading
+    ``read_bytes(spec)`` per whole tensor), then the stacked experts that follow it slice by slice
+    (``stack_units`` of ``stacks[base]``, reading ``stack_read_bytes[base]`` in all)."""
     units: list[Unit] = []
     dense: list[TensorSpec] = []
     seen: set[str] = set()
@@ -115,10 +116,10 @@ def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack]
         if base in seen:
             continue
         seen.add(base)
-        units += dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+        units += dense_units(dense, slice_bytes, layers, row_reads=row_reads, read_bytes=read_bytes)
         dense = []
         units += stack_units(stacks[base], slice_bytes, layers, read_bytes=stack_read_bytes[base])
-    return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads)
+    return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads, read_bytes=read_bytes)
 
 
 __all__ = ["expert_slices", "where_of", "dense_units", "stack_units", "release_units"]

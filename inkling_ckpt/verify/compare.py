@@ -15,7 +15,16 @@ Per compared tensor, with ``a``, ``b`` the float32 values and ``e = b − a``:
 * ``max_abs``: max ``|e|``;  ``rel_rmse``: ``sqrt(Σe² / Σa²)``;
 * ``sqnr_db``: ``10·log10(Σa² / Σe²)`` (``null`` in JSON when ``e`` is all zero: exact).
 
-Non-finite elements that differ count as inexact and are left out of the sums.
+Non-finite elements that differ count as inexact and are left out of the sums. Each square is
+taken in float64 (exact for float32 values) and the squares are added in a fixed pairwise order
+over fixed pieces, so every figure is the same to the bit whatever ``--device``, ``--workers``
+or the number of torchrun ranks.
+
+It runs on the shared executor (:mod:`inkling_ckpt.pipeline`): units planned from both sides'
+headers (non-expert tensors batched or cut by rows, experts a slice at a time; ``--slice-mb`` is
+what one unit reads of both sides together), each read, decoded and compared on the executor's
+device, ``--workers`` at once, the results pooled in plan order. Under torchrun the ranks split
+the units and gather the results; every rank ends with the same report, rank 0 prints it.
 
 Each tensor also gets a ``verdict``: ``exact`` (bit-identical values), ``rounding`` (B is not A's
 value but exactly what narrowing A's value gives — the expected rounding, named in ``rounding``),
@@ -37,7 +46,9 @@ Report (``--json``), schema ``inkling-ckpt/verify/1``::
      "tensors": [{"name", "format", "layer", "verdict", "rounding", **STATS}],  # worst first
      "thresholds": {"min_sqnr_db", "exact", "passed", "failures", "first_failures"},
      "rounding": {REASON: {"tensors", "why"}},   # the expected roundings seen (--exact lets them pass)
-     "not_compared": {"only_a": [NAME, ...], "only_b": [NAME, ...]}}   # vision tensors one side lacks
+     "not_compared": {"only_a": [NAME, ...], "only_b": [NAME, ...]},   # vision tensors one side lacks
+     "seconds", "bytes_read",                # the run: wall time, bytes read of both sides by all ranks
+     "ranks": {"count", "each": [{"rank", "device", "workers", "units", "bytes_read", "seconds", ...}]}}
     STATS = {"tensors", "bit_exact_tensors", "rounding_tensors", "elements", "exact_elements", "max_abs",
              "rel_rmse", "sqnr_db"}                   # per tensor: "tensors" == 1
 
@@ -50,21 +61,22 @@ pool the sums of their tensors (so their SQNR is energy-weighted, not a mean of 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from functools import partial
+import time
+from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..convert.experts import read_parts
-from ..convert.requantize import expert_slices
+from ..convert.requantize import read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
-from ..progress import ByteProgress
+from ..units import fmt_bytes
+from ..pipeline import Executor, Options, Unit, all_ok, assign, gather, release_units
 
 SCHEMA = "inkling-ckpt/verify/1"
 DENSE = "dense"
@@ -127,37 +139,57 @@ def _finite(x: float) -> float | None:
     return None if math.isinf(x) or math.isnan(x) else x
 
 
-def _energy(x: torch.Tensor) -> float:
-    """Σx² of a flat float32 tensor (a BLAS dot: float32 products, blocked float32 sums)."""
-    return float(torch.dot(x, x)) if x.numel() else 0.0
+def _sum_sq(x: torch.Tensor) -> float:
+    """Σx² of a flat float32 tensor, the same to the bit on every device and thread count.
+
+    The squares are taken in float64 (exact for float32 values) and summed by a fixed pairwise
+    tree of elementwise adds: no BLAS dot or device reduction, whose order (and so whose
+    rounding) depends on the library, the thread count and the device.
+    """
+    n = x.numel()
+    if not n:
+        return 0.0
+    y = x.reshape(-1).to(torch.float64, copy=True)
+    y.mul_(y)
+    while n > 1:
+        h = n // 2
+        y[:h].add_(y[h:2 * h])
+        if n % 2:
+            y[h] = y[n - 1]  # the odd one out moves down to the next level
+        n = h + n % 2
+    return float(y[0])
 
 
-#: Elements whose error statistics are taken at once: the float32 temporaries (difference,
-#: masks) stay a few 16 MiB blocks however large the slice compared.
-STATS_CHUNK = 1 << 22
+#: Elements whose error statistics are taken at once: the temporaries (float64 squares,
+#: difference, masks) stay a few MiB however large the slice compared. Fixed, like every
+#: boundary the sums see, so the figures are the same whatever the device, workers or ranks.
+STATS_CHUNK = 1 << 20
 
 
 def exact_stats(a: torch.Tensor) -> Stats:
     """Stats of a tensor compared with a bit-identical copy (only its energy is needed)."""
-    a = a.to(torch.float32).reshape(-1)
+    a = a.reshape(-1)
     s = Stats(tensors=1, bit_exact_tensors=1, elements=a.numel(), exact_elements=a.numel())
     for i in range(0, a.numel(), STATS_CHUNK):
-        x = a[i:i + STATS_CHUNK]
+        x = a[i:i + STATS_CHUNK].to(torch.float32)
         fin = torch.isfinite(x)
-        s.signal += _energy(x) if bool(fin.all()) else _energy(x[fin])
+        s.signal += _sum_sq(x) if bool(fin.all()) else _sum_sq(x[fin])
     return s
 
 
 def tensor_stats(a: torch.Tensor, b: torch.Tensor) -> Stats:
-    """Error of ``b`` against the reference ``a`` (same shape), in float32 with float32 dot products.
+    """Error of ``b`` against the reference ``a`` (same shape), in float32 with exact float64 sums of squares.
 
-    Taken ``STATS_CHUNK`` elements at a time (the sums pooled in float64), so memory beyond the
-    two inputs stays a few chunks."""
-    a = a.to(torch.float32).reshape(-1)
-    b = b.to(torch.float32).reshape(-1)
+    Taken ``STATS_CHUNK`` elements at a time (each chunk widened to float32 on its own, the sums
+    pooled in float64), so memory beyond the two inputs stays a few chunks; the inputs may be
+    on any device, the figures are the same."""
+    if tuple(a.shape) != tuple(b.shape):
+        raise CheckpointError(f"shape {list(a.shape)} in A, {list(b.shape)} in B")
+    a = a.reshape(-1)
+    b = b.reshape(-1)
     s = Stats(tensors=1, elements=a.numel())
     for i in range(0, a.numel(), STATS_CHUNK):
-        _add_chunk(s, a[i:i + STATS_CHUNK], b[i:i + STATS_CHUNK])
+        _add_chunk(s, a[i:i + STATS_CHUNK].to(torch.float32), b[i:i + STATS_CHUNK].to(torch.float32))
     s.bit_exact_tensors = int(s.exact_elements == s.elements)
     return s
 
@@ -168,20 +200,20 @@ def _add_chunk(s: Stats, a: torch.Tensor, b: torch.Tensor) -> None:
     s.exact_elements += exact
     if exact == a.numel():
         fin = torch.isfinite(a)
-        s.signal += _energy(a) if bool(fin.all()) else _energy(a[fin])
+        s.signal += _sum_sq(a) if bool(fin.all()) else _sum_sq(a[fin])
         return
     e = b - a
     if bool(torch.isfinite(e).all()):
-        s.signal += _energy(a)
-        s.noise += _energy(e)
+        s.signal += _sum_sq(a)
+        s.noise += _sum_sq(e)
         s.max_abs = max(s.max_abs, float(e.abs().max()))
         return
     # Some value is NaN or ±Inf on one side: sum over the finite pairs, and a differing
     # non-finite value makes the maximum error infinite.
     finite = torch.isfinite(a) & torch.isfinite(b)
     ef = e[finite]
-    s.signal += _energy(a[finite])
-    s.noise += _energy(ef)
+    s.signal += _sum_sq(a[finite])
+    s.noise += _sum_sq(ef)
     if ef.numel():
         s.max_abs = max(s.max_abs, float(ef.abs().max()))
     if not bool((same | finite).all()):
@@ -214,6 +246,9 @@ class Comparison:
     items: list[Item] = field(default_factory=list)
     only_a: list[str] = field(default_factory=list)  # vision tensors B does not hold
     only_b: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    bytes_read: int = 0  # both sides, all ranks
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # what each rank did (RankStats.as_dict)
 
 
 def _label(fa: str, fb: str) -> str:
@@ -235,49 +270,19 @@ def _describe(src: Any, path: str | Path) -> dict[str, Any]:
     return {"source": str(path), "layout": src.layout, "variant": src.plan.variant, "precision_plan": str(src.plan)}
 
 
-#: A pair's loader yields (A, B, rounding) chunks as float32; B is None where the stored bytes are
-#: identical; rounding names the ROUNDINGS entry B equals exactly, else None.
-Chunk = tuple[torch.Tensor, "torch.Tensor | None", "str | None"]
-Loader = Callable[[], Iterator[Chunk]]
-#: BF16 bytes of experts decoded at once per side (float32 doubles it).
-SLICE_BYTES = 32 * 2**20
+#: A unit's result: per piece of a tensor it compared, ``(name, Stats fields, rounding)``;
+#: rounding names the ROUNDINGS entry an inexact piece equals exactly, else None. Plain tuples:
+#: they travel between ranks.
+Entry = tuple[str, tuple[Any, ...], "str | None"]
+#: Elements of experts decoded at once per side within a unit (float32: 64 MiB), whatever the
+#: device: a fixed cut, so the sums see the same pieces on the CPU and on a GPU.
+DECODE_ELEMENTS = 1 << 24
 
 
 def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
     """Whether ``narrow`` is ``wide`` rounded to its (narrower) dtype, bit for bit."""
     return (wide.dtype.itemsize > narrow.dtype.itemsize and wide.dtype.is_floating_point
             and _same_bytes(wide.to(narrow.dtype), narrow))
-
-
-def _dense(a: Any, b: Any, name: str, shape: tuple[int, ...], shape_b: tuple[int, ...], nbytes: int,
-           ) -> Iterator[Chunk]:
-    """A non-expert tensor in row slices of about ``SLICE_BYTES`` (an embedding is GBs at full size)."""
-    if tuple(shape) != tuple(shape_b):
-        raise CheckpointError(f"{name}: shape {list(shape)} in A, {list(shape_b)} in B")
-    ranges: list[tuple[int, int] | None]
-    if not shape or nbytes <= SLICE_BYTES:
-        ranges = [None]
-    else:
-        step = max(1, shape[0] * SLICE_BYTES // max(1, nbytes))
-        ranges = [(lo, min(shape[0], lo + step)) for lo in range(0, shape[0], step)]
-    for r in ranges:
-        ta, tb = (a.get(name), b.get(name)) if r is None else (a.read_rows(name, *r), b.read_rows(name, *r))
-        if _same_bytes(ta, tb):
-            yield ta.float(), None, None
-        else:
-            rounded = _narrowed(ta, tb) or _narrowed(tb, ta)
-            yield ta.float(), tb.float(), "narrowed" if rounded else None
-
-
-def _experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack) -> Iterator[Chunk]:
-    for first, last in expert_slices(sa, SLICE_BYTES):
-        pa, pb = read_parts(a, sa, first, last), read_parts(b, sb, first, last)
-        da = decode_stacked(sa.fmt, pa, torch.float32, name=sa.name, allow_nonfinite=True)
-        if sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa):
-            yield da, None, None
-            continue
-        db = decode_stacked(sb.fmt, pb, torch.float32, name=sb.name, allow_nonfinite=True)
-        yield da, db, _bf16_decode(sa, pa, sb, pb)
 
 
 def _bf16_decode(sa: ExpertStack, pa: Any, sb: ExpertStack, pb: Any) -> str | None:
@@ -292,23 +297,89 @@ def _bf16_decode(sa: ExpertStack, pa: Any, sb: ExpertStack, pb: Any) -> str | No
     return None
 
 
-def iter_pairs(a: Any, b: Any) -> Iterator[tuple[str, str, int | None, int, Loader]]:
-    """(name, format label, layer, bytes of A, loader) for every logical tensor, in checkpoint order.
+def pairs(a: Any, b: Any) -> list[tuple[str, str, int | None]]:
+    """(name, format label, layer) of every logical tensor compared, in report order: the non-expert
+    tensors both sides hold, then each layer's stacked experts (w13, w2)."""
+    only_a, _ = unpaired(a, b)
+    out: list[tuple[str, str, int | None]] = [
+        (s.name, DENSE, s.layer) for s in a.expected() if s.part is None and s.name not in only_a]
+    for layer in range(a.cfg.num_hidden_layers):
+        for sa, sb in zip(expert_stacks(a.cfg, a.plan, layer), expert_stacks(b.cfg, b.plan, layer), strict=True):
+            out.append((sa.name, _label(sa.fmt, sb.fmt), layer))
+    return out
 
-    Routed experts are compared per stacked tensor (a layer's w13 or w2), decoded a few experts
-    at a time; everything else as stored, widened to float32.
+
+def plan_units(a: Any, b: Any, slice_bytes: int) -> list[Unit]:
+    """The comparison's units from both sides' headers, in checkpoint order (``pipeline.release_units``).
+
+    ``slice_bytes`` is what one unit reads of both sides together: non-expert tensors batched or
+    cut by rows, each layer's experts a slice of experts at a time. A non-expert tensor whose
+    shape differs between the sides is an error here, before anything is read.
     """
-    cfg = a.cfg
-    only_a, only_b = unpaired(a, b)
-    shapes_b = {sp.name: tuple(sp.shape) for sp in b.expected() if sp.part is None}
-    for spec in a.expected():
-        if spec.part is None and spec.name not in only_a:
-            yield spec.name, DENSE, spec.layer, spec.nbytes, partial(
-                _dense, a, b, spec.name, tuple(spec.shape), shapes_b[spec.name], spec.nbytes)
-    for layer in range(cfg.num_hidden_layers):
-        for sa, sb in zip(expert_stacks(cfg, a.plan, layer), expert_stacks(cfg, b.plan, layer), strict=True):
-            nbytes = sum(p.nbytes for p in sa.parts())
-            yield (sa.name, _label(sa.fmt, sb.fmt), layer, nbytes, partial(_experts, a, b, sa, sb))
+    only_a, _ = unpaired(a, b)
+    specs = [s for s in a.expected() if s.name not in only_a]
+    dense_b = {s.name: s for s in b.expected() if s.part is None}
+    for s in specs:
+        if s.part is None and tuple(s.shape) != tuple(dense_b[s.name].shape):
+            raise CheckpointError(f"{s.name}: shape {list(s.shape)} in A, {list(dense_b[s.name].shape)} in B")
+    stacks_a = {st.name: st for st in expert_stacks(a.cfg, a.plan)}
+    stacks_b = {st.name: st for st in expert_stacks(b.cfg, b.plan)}
+    read = {n: sum(p.nbytes for p in st.parts()) + sum(p.nbytes for p in stacks_b[n].parts())
+            for n, st in stacks_a.items()}
+    units = release_units(specs, stacks_a, max(1, slice_bytes // 2), a.cfg.num_hidden_layers, stack_read_bytes=read,
+                          row_reads=getattr(a, "row_reads", True) and getattr(b, "row_reads", True),
+                          read_bytes=lambda s: s.nbytes + dense_b[s.name].nbytes)
+    return [replace(u, write_bytes=0) for u in units]  # verify writes nothing
+
+
+def transform(a: Any, b: Any, ex: Executor) -> Callable[[Unit], list[Entry]]:
+    """Read one unit of both sides, decode and compare it on the executor's device: its entries."""
+    stacks_b = {st.name: st for st in expert_stacks(b.cfg, b.plan)}
+
+    def run(unit: Unit) -> list[Entry]:
+        if isinstance(unit.data, tuple) and unit.data and isinstance(unit.data[0], ExpertStack):
+            sa, first, last = unit.data
+            return _compare_experts(a, b, sa, stacks_b[sa.name], first, last, ex)
+        return [_compare_dense(a, b, piece, ex) for piece in unit.pieces]
+    return run
+
+
+def _compare_dense(a: Any, b: Any, piece: tuple[str, int, int], ex: Executor) -> Entry:
+    name = piece[0]
+    ta, tb = (ex.to_device(read_dense(src, [piece])[name]) for src in (a, b))
+    if _same_bytes(ta, tb):
+        return name, astuple(exact_stats(ta)), None
+    if tuple(ta.shape) != tuple(tb.shape):
+        raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
+    stats = tensor_stats(ta, tb)
+    rounded = not stats.bit_exact_tensors and (_narrowed(ta, tb) or _narrowed(tb, ta))
+    return name, astuple(stats), "narrowed" if rounded else None
+
+
+def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: int, last: int,
+                     ex: Executor) -> list[Entry]:
+    """Experts ``first:last`` of one stacked weight, decoded to float32 ``DECODE_ELEMENTS`` at a time."""
+    pa = ex.parts_to_device(read_parts(a, sa, first, last))
+    pb = ex.parts_to_device(read_parts(b, sb, first, last))
+    same = sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa)
+    step = max(1, DECODE_ELEMENTS // (sa.shape[1] * sa.shape[2]))
+    out: list[Entry] = []
+    for i in range(0, last - first, step):
+        qa = _experts(pa, i, i + step)
+        da = decode_stacked(sa.fmt, qa, torch.float32, name=sa.name, allow_nonfinite=True)
+        if same:
+            out.append((sa.name, astuple(exact_stats(da)), None))
+            continue
+        qb = _experts(pb, i, i + step)
+        stats = tensor_stats(da, decode_stacked(sb.fmt, qb, torch.float32, name=sb.name, allow_nonfinite=True))
+        del da
+        out.append((sa.name, astuple(stats), None if stats.bit_exact_tensors else _bf16_decode(sa, qa, sb, qb)))
+    return out
+
+
+def _experts(parts: dict[str, torch.Tensor], first: int, last: int) -> dict[str, torch.Tensor]:
+    """Experts ``first:last`` of a slice's parts (views; a scalar part is shared by every expert)."""
+    return {k: v[first:last] if v.dim() else v for k, v in parts.items()}
 
 
 def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
@@ -359,11 +430,16 @@ def open_pair(path_a: str | Path, path_b: str | Path, *, config: Any = None) -> 
     return opened[0], opened[1]
 
 
-def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, config: Any = None) -> Comparison:
+def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, config: Any = None,
+            options: Options | None = None) -> Comparison:
     """Decode and compare every tensor of two checkpoints of the same model (any layouts, see ``layouts.detect``).
 
     ``config``: the model config of a torch_dist side that keeps none (default: the other side's).
+    ``options``: device, slice budget and workers (default ``--device auto``). The units run on the
+    shared executor; under torchrun the ranks split them and every rank ends with the whole
+    comparison (the same on every rank, and the same as one process).
     """
+    t0 = time.perf_counter()
     a, b = open_pair(path_a, path_b, config=config)
     try:
         if a.cfg != b.cfg:
@@ -371,32 +447,52 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
             raise CheckpointError(f"{path_a} and {path_b} are not the same model: their configs differ in {', '.join(diff)}")
         out = Comparison(_describe(a, path_a), _describe(b, path_b))
         out.only_a, out.only_b = unpaired(a, b)
-        pairs = list(iter_pairs(a, b))
-        with ByteProgress(sum(p[3] for p in pairs), desc="verify", enabled=progress) as bar:
-            for name, fmt, layer, nbytes, load in pairs:
-                stats = Stats()
-                reasons: set[str | None] = set()  # of the chunks that are not bit-exact
-                for ta, tb, rounding in load():
-                    if tb is None:  # stored bytes identical: no need to decode B
-                        stats.add(exact_stats(ta))
-                    elif tuple(ta.shape) != tuple(tb.shape):
-                        raise CheckpointError(f"{name}: shape {list(ta.shape)} in A, {list(tb.shape)} in B")
-                    else:
-                        chunk = tensor_stats(ta, tb)
-                        if not chunk.bit_exact_tensors:
-                            reasons.add(rounding)
-                        stats.add(chunk)
-                # one tensor however many slices it was compared in
-                stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
-                stats.tensors = 1
-                why = reasons.pop() if len(reasons) == 1 else None  # every inexact chunk: the same expected rounding
-                stats.rounding_tensors = int(not stats.bit_exact_tensors and why is not None)
-                out.items.append(Item(name, fmt, layer, stats, why if stats.rounding_tensors else None))
-                bar.advance(nbytes)
+        ex = Executor(options or Options(progress=progress), desc="verify")
+        units = plan_units(a, b, ex.slice_bytes)
+        owner = assign({u.key: u.read_bytes for u in units}, ex.world.size)
+        mine = [u for u in units if owner[u.key] == ex.world.rank]
+        done: dict[str, list[Entry]] = {}
+        err: Exception | None = None
+        try:
+            ex.run(mine, transform(a, b, ex), lambda u, entries: done.__setitem__(u.key, entries), read_only=True)
+        except Exception as e:  # every rank raises it (all_ok), so every rank exits the same way
+            err = e
+        all_ok(err, ex.world)
+        ranks = ex.finish()
+        if ex.world.distributed:
+            for part in gather(done, ex.world):
+                done.update(part)
+        out.items = _fold(pairs(a, b), units, done)
+        out.ranks = [s.as_dict() for s in ranks]
+        out.bytes_read = sum(s.bytes_read for s in ranks)
+        out.seconds = time.perf_counter() - t0
     finally:
         for src in (a, b):
             src.close()
     return out
+
+
+def _fold(tensors: list[tuple[str, str, int | None]], units: list[Unit], done: dict[str, list[Entry]]) -> list[Item]:
+    """Every unit's entries pooled per tensor in plan order (so the sums never depend on who computed
+    what, or when), one :class:`Item` per tensor in report order."""
+    acc: dict[str, tuple[Stats, set[str | None]]] = {}
+    for u in units:
+        for name, fields, rounding in done[u.key]:
+            piece = Stats(*fields)
+            stats, reasons = acc.setdefault(name, (Stats(), set()))
+            if not piece.bit_exact_tensors:
+                reasons.add(rounding)  # of the pieces that are not bit-exact
+            stats.add(piece)
+    items = []
+    for name, fmt, layer in tensors:
+        stats, reasons = acc[name]
+        # one tensor however many pieces it was compared in
+        stats.bit_exact_tensors = int(stats.bit_exact_tensors == stats.tensors)
+        stats.tensors = 1
+        why = reasons.pop() if len(reasons) == 1 else None  # every inexact piece: the same expected rounding
+        stats.rounding_tensors = int(not stats.bit_exact_tensors and why is not None)
+        items.append(Item(name, fmt, layer, stats, why if stats.rounding_tensors else None))
+    return items
 
 
 def open_checkpoint(path: str | Path, *, config: Any = None) -> Any:
@@ -446,11 +542,31 @@ def build_report(cmp: Comparison, *, min_sqnr: float | None = None, exact: bool 
                        "first_failures": failures[:10]},
         "not_compared": {"only_a": list(cmp.only_a), "only_b": list(cmp.only_b)},
         "rounding": rounding,
+        "seconds": round(cmp.seconds, 3),
+        "bytes_read": cmp.bytes_read,
+        "ranks": {"count": len(cmp.ranks), "each": list(cmp.ranks)},
     }
 
 
 def _db(x: float | None) -> str:
     return "exact" if x is None else f"{x:.2f}"
+
+
+def _run_line(rep: dict[str, Any]) -> list[str]:
+    """How the comparison ran: bytes read, time, rate, ranks, device (absent from an older report)."""
+    if "seconds" not in rep:
+        return []
+    secs, read = rep["seconds"], rep["bytes_read"]
+    line = f"read {fmt_bytes(read)} in {secs:.1f} s ({read / secs / 1e6 if secs > 0 else 0.0:.0f} MB/s"
+    each = rep.get("ranks", {}).get("each") or []
+    if len(each) > 1:
+        line += f"; {len(each)} ranks"
+    if each:
+        line += f"; {each[0]['device']}"
+        gpu = max(r.get("peak_gpu_bytes", 0) for r in each)
+        if gpu:
+            line += f", peak GPU memory {fmt_bytes(gpu)}"
+    return [line + ")"]
 
 
 def render_report(rep: dict[str, Any], top: int = 15) -> str:
@@ -465,6 +581,7 @@ def render_report(rep: dict[str, Any], top: int = 15) -> str:
         f"{s['tensors']} tensors: {s['bit_exact_tensors']} bit-exact, {s['rounding_tensors']} expected rounding, "
         f"{s['mismatch_tensors']} mismatch; {s['exact_elements']}/{s['elements']} elements "
         f"bit-exact ({100 * s['exact_fraction']:.2f}%); worst SQNR {_db(s['min_sqnr_db'])} dB",
+        *_run_line(rep),
         "",
         f"{'format':<14} {'tensors':>8} {'bit-exact':>10} {'rounding':>9} {'mismatch':>9} {'SQNR dB':>9} "
         f"{'rel RMSE':>10} {'max abs':>10}",

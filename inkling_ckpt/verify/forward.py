@@ -5,7 +5,11 @@ it is built once on the meta device, exactly as ``from_pretrained`` builds it (s
 same dtype plan, same weight-conversion table), and each unit (embedding, decoder layer ``i``,
 head) is materialised from the checkpoint just before it runs and returned to meta right after.
 So at most one layer's weights of one checkpoint are in memory, plus the token batch's
-activations: the hidden state and the block attention-residual sources of each side. The
+activations: the hidden state and the block attention-residual sources of each side. A decoder
+layer's routed experts are not materialised whole (a full-size layer's are 24 GB at BF16): they
+run a slice of experts at a time (``--slice-mb``), each slice read and decoded just before it is
+used, through a replica of transformers' grouped_mm experts forward that gives the same output
+bit for bit (:func:`_sliced_experts_forward`; both sides run the same code). The
 driver below calls the model's own modules in the order ``Inkling2TextModel.forward`` does, so
 on a BF16 checkpoint the logits equal ``from_pretrained(...)(input_ids).logits`` bit for bit
 (same dtype, same device).
@@ -19,7 +23,8 @@ Report (``--json``), schema ``inkling-ckpt/verify-forward/1``::
 
     {"schema": "inkling-ckpt/verify-forward/1",
      "a": {"source", "expert_formats": {FORMAT: n_layers}}, "b": {...},
-     "run": {"device", "dtype", "batch", "seq_len", "tokens": "random"|FILE, "seed", "seconds"},
+     "run": {"device", "dtype", "batch", "seq_len", "tokens": "random"|FILE, "seed", "seconds",
+             "expert_slice_bytes"},          # routed experts run this many BF16 bytes at a time (null: whole layer)
      "config_differences": [KEY, ...],      # text_config fields that differ between A and B
      "logits": {"kl_mean", "kl_max", "top1_agreement", "max_abs_diff", "positions",
                 "first_diverging_layer"},      # first layer whose hidden state differs, or null
@@ -37,6 +42,7 @@ layers (so the error accumulates, and its first jump shows where the divergence 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -50,6 +56,7 @@ import torch
 from ..errors import CheckpointError, ConfigError, FormatError, InklingError, NonFiniteError
 from ..formats.stacked import AMAX, DENOM, SCALE, WEIGHT, decode_stacked, format_of_parts, stacked_parts
 from ..layouts.pread import TensorFile
+from ..pipeline.executor import DEFAULT_SLICE_BYTES
 
 SCHEMA = "inkling-ckpt/verify-forward/1"
 INSTALL_HINT = "pip install 'inkling-ckpt[forward]' (transformers==5.24.0)"
@@ -86,6 +93,7 @@ class _TF:
     create_sliding_window_causal_mask: Callable
     create_recurrent_attention_mask: Callable
     get_relative_distance: Callable
+    grouped_linear: Callable
 
 
 def load_transformers() -> _TF:
@@ -105,6 +113,7 @@ def load_transformers() -> _TF:
             create_recurrent_attention_mask,
             create_sliding_window_causal_mask,
         )
+        from transformers.integrations.moe import _grouped_linear
         from transformers.models.inkling2.modeling_inkling2 import get_relative_distance
         from transformers.utils.generic import ContextManagers
     except ImportError as e:
@@ -130,6 +139,7 @@ def load_transformers() -> _TF:
         create_sliding_window_causal_mask=create_sliding_window_causal_mask,
         create_recurrent_attention_mask=create_recurrent_attention_mask,
         get_relative_distance=get_relative_distance,
+        grouped_linear=_grouped_linear,
     )
 
 
@@ -193,6 +203,10 @@ class SafetensorsFolder:
         if torch.device(device).type == "cpu":
             return self._where[name].read(name)
         return self.read_blocks(name, device)
+
+    def rows(self, name: str, lo: int, hi: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Rows ``lo:hi`` of one tensor's first dimension (as stored) on ``device``."""
+        return self._where[name].read(name, lo, hi).to(device)
 
     def read_blocks(self, name: str, device: torch.device | str, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
         """One tensor onto ``device``, ``block_bytes`` of dim-0 rows at a time (at least one row):
@@ -280,6 +294,8 @@ class _Unit:
     layer: int | None  # decoder layer index, None for embed and head
     modules: list[tuple[str, torch.nn.Module]]  # (qualified prefix, module)
     sources: list[_Source] = field(default_factory=list)
+    # routed experts run a slice at a time: experts module prefix -> {parameter: its source}
+    streamed: dict[str, dict[str, _Source]] = field(default_factory=dict)
 
     @property
     def expert_format(self) -> str | None:
@@ -322,10 +338,16 @@ class StreamedModel:
     ``units`` lists the embedding, each decoder layer and the head with the on-disk tensors
     each needs (validated against the model from the headers at construction, before any work).
     Use ``forward`` for logits, or drive ``load``/``unload`` and the modules yourself.
+
+    ``expert_slice_bytes``: run each decoder layer's routed experts a slice of about that many
+    BF16 bytes at a time (at least one expert) instead of materialising the layer's experts whole
+    (a full-size layer's are 24 GB): see :func:`_sliced_experts_forward`. The logits are the same
+    bit for bit. Without it (or where transformers runs the experts otherwise than grouped_mm)
+    the layer is loaded whole.
     """
 
     def __init__(self, folder: str | Path, *, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 tf: _TF | None = None):
+                 tf: _TF | None = None, expert_slice_bytes: int | None = None):
         self.tf = tf = tf or load_transformers()
         self.folder = Path(folder)
         self.dtype = dtype
@@ -353,6 +375,8 @@ class StreamedModel:
         self._by_pattern = {p: c for c in self._converters for p in c.source_patterns}
         self._meta = self.model.state_dict()
         self.units = self._plan()
+        if expert_slice_bytes is not None:
+            self._stream_experts(max(1, int(expert_slice_bytes)))
 
     # -- planning from headers ------------------------------------------------------------
     def _plan(self) -> list[_Unit]:
@@ -408,6 +432,19 @@ class StreamedModel:
                                       f"e.g. {missing[0]} (transformers name)")
         return units
 
+    def _stream_experts(self, slice_bytes: int) -> None:
+        """Mark each decoder layer's routed experts to run a slice at a time (where they can)."""
+        self.expert_slice_bytes = slice_bytes
+        for unit in self.units:
+            by_module: dict[str, dict[str, _Source]] = {}
+            for src in unit.sources:
+                if src.fmt is not None:  # a routed expert linear (BF16 ones included)
+                    prefix, _, param = src.target.rpartition(".")
+                    by_module.setdefault(prefix, {})[param] = src
+            for prefix, params in by_module.items():
+                if _sliceable(self.model.get_submodule(prefix), params):
+                    unit.streamed[prefix] = params
+
     def _rename(self, name: str) -> tuple[str, str | None]:
         return self.tf.rename_source_key(name, self._renamings, self._converters, self.model.base_model_prefix, self._meta)
 
@@ -445,8 +482,11 @@ class StreamedModel:
         return total
 
     def read(self, unit: _Unit) -> dict[str, torch.Tensor]:
-        """The unit's stored tensors (on-disk names, as stored) on the run device."""
-        return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources for p in s.parts}
+        """The unit's stored tensors (on-disk names, as stored) on the run device; routed experts that
+        run a slice at a time are read when they run, not here."""
+        streamed = {id(src) for params in unit.streamed.values() for src in params.values()}
+        return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources if id(s) not in streamed
+                for p in s.parts}
 
     def load(self, unit: _Unit, stored: dict[str, torch.Tensor] | None = None) -> None:
         """Materialise ``unit``'s modules on the run device (from ``stored`` if given, as ``read`` returns;
@@ -454,26 +494,61 @@ class StreamedModel:
         only one tensor at a time)."""
         stored = self.read(unit) if stored is None else stored
         state: dict[str, dict[str, torch.Tensor]] = {p: {} for p, _ in unit.modules}
+        later: dict[str, set[str]] = {p: set() for p, _ in unit.modules}  # streamed experts' parameters
+        streamed = {id(src) for params in unit.streamed.values() for src in params.values()}
+        for experts, params in unit.streamed.items():
+            prefix = next(p for p, _ in unit.modules if experts.startswith(p + "."))
+            later[prefix] |= {f"{experts[len(prefix) + 1:]}.{name}" for name in params}
         for s in unit.sources:
-            if s.fmt not in QUANTIZED:  # cast below exactly as from_pretrained casts it
-                t = stored.pop(s.base)
-            else:
-                try:
-                    t = decode_stacked(s.fmt, {p: stored.pop(s.base + p) for p in s.parts}, self.dtype, name=s.base)
-                except NonFiniteError as e:  # the writing commands' --allow-nonfinite is no option here
-                    raise e.with_hint("the model cannot run on it (verify without --forward compares it "
-                                      "tensor by tensor)") from None
-            t = self._convert(s, t.to(self.device))
+            if id(s) in streamed:  # read a slice at a time when the layer runs
+                continue
+            t = self._convert(s, self._materialise(s, {p: stored.pop(s.base + p) for p in s.parts}))
             prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
             state[prefix][s.target[len(prefix) + 1:]] = t
         for prefix, mod in unit.modules:
             try:
-                mod.load_state_dict(state[prefix], strict=True, assign=True)
+                got = mod.load_state_dict(state[prefix], strict=not later[prefix], assign=True)
             except RuntimeError as e:
                 raise CheckpointError(f"{self.folder}: {unit.name}: {str(e).splitlines()[0]}") from None
+            if later[prefix] and (set(got.missing_keys) != later[prefix] or got.unexpected_keys):
+                raise CheckpointError(f"{self.folder}: {unit.name}: the state does not fit the module "
+                                      f"(missing {sorted(got.missing_keys)}, unexpected {sorted(got.unexpected_keys)})")
+        for experts, params in unit.streamed.items():
+            mod = self.model.get_submodule(experts)
+            mod.forward = functools.partial(_sliced_experts_forward, mod, self.tf.grouped_linear,
+                                            functools.partial(self._expert_slice, params), self._expert_step(params))
+
+    def _materialise(self, s: _Source, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One source's stored parts as the tensor from_pretrained would cast: quantized experts decoded
+        to the run dtype, the rest as stored; on the run device."""
+        if s.fmt not in QUANTIZED:  # cast by _convert exactly as from_pretrained casts it
+            return parts[""].to(self.device)
+        try:
+            return decode_stacked(s.fmt, parts, self.dtype, name=s.base).to(self.device)
+        except NonFiniteError as e:  # the writing commands' --allow-nonfinite is no option here
+            raise e.with_hint("the model cannot run on it (verify without --forward compares it "
+                              "tensor by tensor)") from None
+
+    def _expert_step(self, params: Mapping[str, _Source]) -> int:
+        """Experts per slice: about ``expert_slice_bytes`` of BF16 of every streamed linear, at least one."""
+        per_expert = sum(2 * math.prod(self._meta[s.target].shape[1:]) for s in params.values())
+        return max(1, self.expert_slice_bytes // per_expert)
+
+    def _expert_slice(self, params: Mapping[str, _Source], first: int, last: int) -> dict[str, torch.Tensor]:
+        """Experts ``first:last`` of each streamed linear: read, decoded and converted on the run device."""
+        out = {}
+        for name, s in params.items():
+            experts = self.reader.meta[s.base][0][0]
+            parts = {p: self.reader.rows(s.base + p, first, last, self.device)
+                     if self.reader.meta[s.base + p][0][:1] == (experts,) else self.reader.get(s.base + p, self.device)
+                     for p in s.parts}  # per-expert parts by rows; a shared scalar (NVFP4 denominator) whole
+            out[name] = self._convert(s, self._materialise(s, parts))
+        return out
 
     def unload(self, unit: _Unit) -> None:
         """Return ``unit``'s modules to the meta device (frees their weights)."""
+        for experts in unit.streamed:
+            vars(self.model.get_submodule(experts)).pop("forward", None)  # the class's forward again
         for _, mod in unit.modules:
             mod.to("meta")
 
@@ -546,6 +621,54 @@ class StreamedModel:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _sliceable(experts: torch.nn.Module, params: Mapping[str, _Source]) -> bool:
+    """Whether a routed-experts module runs as :func:`_sliced_experts_forward` reproduces: transformers'
+    grouped_mm implementation (the one it picks for Inkling 2) of gated, bias-free, untransposed
+    experts whose two linears both come from the checkpoint."""
+    return (set(params) == {"gate_up_proj", "down_proj"}
+            and getattr(getattr(experts, "config", None), "_experts_implementation", None) == "grouped_mm"
+            and getattr(experts, "has_gate", False) and getattr(experts, "is_concatenated", False)
+            and not getattr(experts, "has_bias", True) and not getattr(experts, "is_transposed", True)
+            and not getattr(experts, "has_post_expert_norm", True))
+
+
+def _sliced_experts_forward(experts: Any, grouped_linear: Callable,
+                            load_slice: Callable[[int, int], dict[str, torch.Tensor]], step: int,
+                            hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped_mm experts forward, ``step`` experts at a time (both sides run this code).
+
+    Per routed (token, expert) pair it does what ``grouped_mm_experts_forward`` does — the pair's
+    row through its expert's gate/up projection (``grouped_linear``), the module's own gate, the
+    down projection, times its routing weight in float32 — with the slice's weights, read just
+    before (``load_slice(first, last)``; a slice no token is routed to is not read). A row's
+    product does not depend on the other rows of its group, so every pair's output is the one of
+    the whole-layer call, and the pairs are then summed per token exactly as there (float32, over
+    the top-k in order): the same output bit for bit, holding one slice of experts at a time.
+    """
+    tokens, k = top_k_index.shape
+    n = int(experts.num_experts)
+    weights = top_k_weights.reshape(-1)
+    # grouped_mm's own sort: the rows of each expert in the order that call gives them (a GEMM's
+    # result for a row may depend on where the row sits in its group)
+    ids, perm = torch.sort(top_k_index.reshape(-1))
+    ends = torch.cumsum(torch.bincount(ids, minlength=n)[:n], dim=0).tolist()  # one host sync
+    out = torch.zeros(ids.numel(), hidden_states.shape[-1], dtype=torch.float32, device=hidden_states.device)
+    for first in range(0, n, step):
+        last = min(n, first + step)
+        lo, hi = ends[first - 1] if first else 0, ends[last - 1]
+        if lo == hi:
+            continue
+        pairs = perm[lo:hi]
+        offsets = torch.cumsum(torch.bincount(ids[lo:hi] - first, minlength=last - first), dim=0, dtype=torch.int32)
+        w = load_slice(first, last)
+        y = grouped_linear(hidden_states[pairs // k], w["gate_up_proj"], offsets)
+        y = grouped_linear(experts._apply_gate(y), w["down_proj"], offsets)
+        del w
+        out[pairs] = y * weights[pairs].unsqueeze(-1)
+    return out.view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 @dataclass
@@ -650,19 +773,21 @@ def compare_forward(
     max_kl: float | None = None,
     progress: bool = True,
     tokens_label: str | None = None,
+    slice_bytes: int | None = DEFAULT_SLICE_BYTES,
 ) -> dict[str, Any]:
     """Stream A and B layer by layer over one token batch and report (schema ``SCHEMA``).
 
     Give ``input_ids`` [B, T] or ``random`` (sequence length; ``batch`` sequences from ``seed``).
     Both sides run in the same ``dtype`` (``"auto"``: A's config dtype) on ``device``; at any
-    time one unit (the embedding, one decoder layer, or the head) of one side is in memory.
+    time one unit (the embedding, one decoder layer, or the head) of one side is in memory, a
+    decoder layer's routed experts ``slice_bytes`` (BF16) at a time (None: the whole layer).
     """
     tf = load_transformers()
     dev = _device(device)
     run_dtype = resolve_dtype(tf, a, dtype)
     t0 = time.perf_counter()
-    sa = StreamedModel(a, dtype=run_dtype, device=dev, tf=tf)
-    sb = StreamedModel(b, dtype=run_dtype, device=dev, tf=tf)
+    sa = StreamedModel(a, dtype=run_dtype, device=dev, tf=tf, expert_slice_bytes=slice_bytes)
+    sb = StreamedModel(b, dtype=run_dtype, device=dev, tf=tf, expert_slice_bytes=slice_bytes)
     try:
         ca, cb = sa.text_config, sb.text_config
         for f in _ARCH_FIELDS:
@@ -718,7 +843,7 @@ def compare_forward(
         "b": {"source": str(b), "expert_formats": _format_counts(sb)},
         "run": {"device": str(dev), "dtype": str(run_dtype).removeprefix("torch."), "batch": int(input_ids.shape[0]),
                 "seq_len": int(input_ids.shape[1]), "tokens": label, "seed": seed if label == "random" else None,
-                "seconds": round(time.perf_counter() - t0, 3)},
+                "seconds": round(time.perf_counter() - t0, 3), "expert_slice_bytes": slice_bytes},
         "config_differences": differences,
         "logits": stats,
         "layers": layers,
@@ -735,6 +860,10 @@ def _format_counts(s: StreamedModel) -> dict[str, int]:
 
 
 def _device(device: str) -> torch.device:
+    if device == "auto":  # the CLI's shared --device default: CUDA when present
+        from ..pipeline import resolve_device
+
+        return resolve_device("auto")
     try:
         dev = torch.device(device)
     except RuntimeError:
