@@ -294,6 +294,58 @@ def test_decode_any_bytes(name, opts):
         assert _same_values(got, want), f"{name}{opts} decode -> {dt}"
 
 
+def test_nvfp4_decode_bf16_block_tables():
+    """The BF16 NVFP4 decode builds per-block value tables where every product stays normal and
+    falls back to per-element math elsewhere: all codes, valid scales, global factors from
+    subnormal-making to near-overflow (constant-scale groups put whole programs right at the
+    limits), both multiplication orders, against the reference."""
+    from inkling_ckpt.formats import stacked
+    from inkling_ckpt.formats.gpu import ops
+
+    g = torch.Generator().manual_seed(11)
+    groups, n = 10, 16 * 128 * 3  # three programs of 128 blocks per group
+    w = torch.randint(0, 256, (groups, n // 2), generator=g, dtype=torch.uint8)
+    sc = torch.randint(1, 0x7F, (groups, n // 16), generator=g, dtype=torch.uint8)
+    s2 = torch.tensor([1e-3, 3.7e-7, 2.0**-120, 2.0**-131, 2.0**118, 1.3 * 2.0**-123, 1.9 * 2.0**125,
+                       1.3 * 2.0**-124, 1.9 * 2.0**126, 2.0**-10], dtype=torch.float32)
+    sc[5:9] = 0x38  # scale 1.0: A = s2 exactly at the table path's exponent limits (in, out, in, out)
+    sc[9] = 0x7E  # 448
+    f8 = sc.view(torch.float8_e4m3fn)
+    fmt = get_format("nvfp4")
+    for factor_last in (False, True):
+        got = ops.nvfp4_decode(w.to(DEV), f8.to(DEV), s2.to(DEV), torch.bfloat16, factor_last=factor_last).cpu()
+        with gpu.kernels_disabled():
+            if factor_last:
+                want = stacked._decode_nvfp4_reference(w.view(groups, 1, -1), f8.view(groups, 1, -1), s2, torch.bfloat16)
+            else:
+                want = torch.stack([fmt.decode({"weight": w[i].view(1, -1), "weight_scale": f8[i].view(1, -1),
+                                                "weight_scale_2": s2[i]}, torch.bfloat16) for i in range(groups)])
+        assert _same_values(got, want.view(groups, n)), f"factor_last={factor_last}"
+
+
+def test_mxfp8_decode_bf16_rebiased():
+    """The BF16 MXFP8 (E4M3) decode re-biases exponents where every product is a normal BF16 value
+    (scale bytes 15..246) and falls back to per-element math elsewhere: every element byte,
+    constant-scale groups at and beyond the limits, a group with a NaN element, against the reference."""
+    from inkling_ckpt.formats.gpu import ops
+
+    g = torch.Generator().manual_seed(12)
+    scales = [127, 15, 14, 246, 247, 10, 0, 200, 127]
+    groups, n = len(scales), 32 * 256 * 2
+    q = torch.randint(0, 256, (groups, n), generator=g, dtype=torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0x3C  # no NaN elements (but in the last group)
+    q[:, :256] = torch.arange(256, dtype=torch.uint8)  # every byte once per group...
+    q[:-1, 0x7F] = 0x00
+    q[:-1, 0xFF] = 0x80
+    sc = torch.tensor(scales, dtype=torch.uint8)[:, None].expand(groups, n // 32).contiguous()
+    sc[0, 5] = 126  # a varying scale inside one group
+    fmt = get_format("mxfp8")
+    got = ops.mxfp8_decode(q.view(torch.float8_e4m3fn).to(DEV), sc.to(DEV), "e4m3", torch.bfloat16).cpu()
+    with gpu.kernels_disabled():
+        want = fmt.decode({"weight": q.view(torch.float8_e4m3fn), "weight_scale": sc}, torch.bfloat16)
+    assert _same_values(got, want)
+
+
 # -- grouped ops (what the weight sync uses) --------------------------------------------------
 
 
@@ -454,6 +506,12 @@ def test_stacked_kernels_match_the_reference(name, opts, dtype, kernels):
     for out in (torch.bfloat16, torch.float32, torch.float16):
         dg = decode_stacked(name, got, out)
         assert _same_values(dg, _ref_stacked_decode(name, want, out)), f"decode {name} -> {out}"
+    if name == "nvfp4":  # one denominator per expert (allowed by the layout), not all the same
+        from inkling_ckpt.formats.stacked import DENOM
+
+        per = dict(want, **{DENOM: torch.linspace(2000.0, 3000.0, w.shape[0])})
+        dg = decode_stacked(name, {k: v.to(DEV) for k, v in per.items()}, torch.bfloat16)
+        assert _same_values(dg, _ref_stacked_decode(name, per, torch.bfloat16)), "per-expert denominators"
 
 
 @pytest.mark.parametrize("name,opts", STACKED, ids=STACKED_IDS)
@@ -544,7 +602,7 @@ def test_stacked_dispatch_is_batched(monkeypatch):
     from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
 
     calls = []
-    for fn in ("group_amax", "nvfp4_encode", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
+    for fn in ("group_amax", "nvfp4_encode", "nvfp4_encode_from_amax", "mxfp8_encode", "nvfp4_decode", "mxfp8_decode"):
         orig = getattr(ops, fn)
 
         def wrap(*a, _orig=orig, _fn=fn, **k):
@@ -555,4 +613,4 @@ def test_stacked_dispatch_is_batched(monkeypatch):
     w = _experts(e=7).to(DEV)
     for name in ("nvfp4", "mxfp8"):
         decode_stacked(name, encode_stacked(name, w))
-    assert calls == ["group_amax", "nvfp4_encode", "nvfp4_decode", "mxfp8_encode", "mxfp8_decode"], calls
+    assert calls == ["group_amax", "nvfp4_encode_from_amax", "nvfp4_decode", "mxfp8_encode", "mxfp8_decode"], calls

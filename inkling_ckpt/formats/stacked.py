@@ -170,58 +170,56 @@ def _encode_whole(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | 
     device_amax = amax is not None and amax.device == w.device
     if amax is not None and not device_amax:
         amax = _check_amax(amax, w.shape[0], name, allow_nonfinite=False).to(w.device, non_blocking=True)
-    parts, bad = _encode_kernels(codec, fname, w, amax)
-    # checks queued behind the kernels: the host waits once, for all of it
-    checks = [bad] if not allow_nonfinite else []
-    if device_amax and amax is not None:
-        checks.append(_bad_amax(amax).any())
-    if checks and bool(torch.stack(checks).any()):  # the one host synchronization of the call
+    # a kept amax on the device is checked by the encode kernel itself (flag 1)
+    parts, bad = _encode_kernels(codec, fname, w, amax, check_amax=device_amax)
+    if allow_nonfinite and not device_amax:
+        return parts
+    nonfinite, bad_amax = bad.tolist()  # the one host synchronization of the call: the flags the kernels set
+    if bad_amax or (nonfinite and not allow_nonfinite):
         _raise_encode_error(fname, w, amax, name)
     return parts
 
 
-def _encode_kernels(codec: Any, fname: str, w: torch.Tensor,
-                    amax: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Parts of ``w`` (on a kernel device) through the batched kernels, one expert per group, and a
-    0-d bool device tensor: some element is NaN/Inf (encoded as NaN blocks). No host synchronization.
-    ``amax`` (on w's device) is used as given; a bad one yields garbage, which the caller refuses."""
+def _encode_kernels(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, *,
+                    check_amax: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Parts of ``w`` (on a kernel device) through the batched kernels, one expert per group, and
+    int32 [2] device flags: [0] some element is NaN/Inf (encoded as NaN blocks), [1] (with
+    ``check_amax``) some given amax is not finite and > 0. No host synchronization.
+    ``amax`` (on w's device) is used as given; a bad one yields garbage, which the caller refuses.
+    NVFP4's global scales (the reference's zero-expert policy, amax / 2688) are computed inside
+    the encode kernel, so a contiguous stack costs one fill and one or two launches."""
     ops = _gpu._load()
     e, r, c = w.shape
-    spec = stacked_parts(fname, w.shape)
     slices = _contiguous_slices(w)
-    flags: list[torch.Tensor] = []
+    fresh = fname == "nvfp4" and amax is None
+    # one zeroed buffer: the flags, and (fresh NVFP4 amax) the per-expert amax bits
+    work = torch.zeros(2 + (e if fresh else 0), dtype=torch.int32, device=w.device)
+    bad = work[:2]
     got: list[dict[str, torch.Tensor]] = []
     for e0, e1 in slices:
         n = e1 - e0
         x = w[e0:e1].contiguous().view(n, r * c)
         if fname == "mxfp8":
-            q, sc, bad = ops.mxfp8_encode(x, codec.scale_mode, codec.element)
+            q, sc, _ = ops.mxfp8_encode(x, codec.scale_mode, codec.element, bad=bad)
             got.append({WEIGHT: q.view(n, r, c), SCALE: sc.view(n, r, c // MXFP8_BLOCK)})
+            continue
+        if amax is None:  # non-finite input is flagged by the encode below: the amax pass's flag is not read
+            a, _ = ops.group_amax(x, bad=bad, out=work[2 + e0:2 + e1])
         else:
-            if amax is None:
-                a, bad_groups = ops.group_amax(x)
-                flags.append(bad_groups.amax() > 0)
-            else:
-                a = amax[e0:e1]
-            # the reference's zero-expert policy: an amax below 2^-126 is encoded (and stored) as 1.0
-            used = torch.where(a < MIN_GLOBAL_AMAX, 1.0, a)
-            # f32(amax) / 2688 as nvfp4_global_scale, a tensor divisor (IEEE division on CUDA too)
-            q, sc, bad = ops.nvfp4_encode(x, used / _denominator(w.device))
-            got.append({WEIGHT: q.view(n, r, c // 2), SCALE: sc.view(n, r, c // NVFP4_BLOCK), AMAX: used})
-        flags.append(bad[0] > 0)
+            a = amax[e0:e1]
+        q, sc, used, denom, _ = ops.nvfp4_encode_from_amax(x, a, check_amax=check_amax, bad=bad)
+        got.append({WEIGHT: q.view(n, r, c // 2), SCALE: sc.view(n, r, c // NVFP4_BLOCK), AMAX: used, DENOM: denom})
     if len(got) == 1:
         parts = got[0]
     else:  # a non-contiguous input, encoded in slices: gather them (outputs only, a fraction of the input)
-        parts = {k: torch.empty((e, *t.shape[1:]), dtype=t.dtype, device=w.device) for k, t in got[0].items()}
+        parts = {k: torch.empty((e, *t.shape[1:]), dtype=t.dtype, device=w.device)
+                 for k, t in got[0].items() if k != DENOM}
         for (e0, e1), g in zip(slices, got, strict=True):
-            for k, t in g.items():
-                parts[k][e0:e1] = t
-    if fname == "nvfp4":
-        parts[AMAX] = parts[AMAX].contiguous()
-        # a fill, not a copy from the host: a host-to-device copy would wait for the kernels above
-        parts[DENOM] = torch.full((), NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
-    parts = {k: parts[k] for k in spec}  # on-disk order
-    return parts, torch.stack(flags).any()
+            for k in parts:
+                parts[k][e0:e1] = g[k]
+        if fname == "nvfp4":
+            parts[DENOM] = got[0][DENOM]
+    return {k: parts[k] for k in stacked_parts(fname, w.shape)}, bad  # on-disk order
 
 
 def _encode_reference(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor | None, name: str,
@@ -281,7 +279,8 @@ def _encode_sliced(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor |
         x = relay.up(w[e0:e1])
         a = None if amax is None else amax[e0:e1]
         if _gpu.wants(x):
-            parts, bad = _encode_kernels(codec, fname, x, a)
+            parts, flags2 = _encode_kernels(codec, fname, x, a)
+            bad = flags2[0] > 0
         else:  # the reference code; non-finite input is refused below, for the whole tensor
             bad = ~torch.isfinite(block_amax_bits(x.reshape(1, -1))[0])
             parts = _encode_reference(codec, fname, x, a, name, True)
@@ -293,17 +292,6 @@ def _encode_sliced(codec: Any, fname: str, w: torch.Tensor, amax: torch.Tensor |
     if fname == "nvfp4":
         out[DENOM] = torch.tensor(NVFP4_DENOMINATOR, dtype=torch.float32, device=w.device)
     return {k: out[k] for k in spec}
-
-
-_DENOMINATORS: dict[torch.device, torch.Tensor] = {}
-
-
-def _denominator(device: torch.device) -> torch.Tensor:
-    """NVFP4_DENOMINATOR as a one-element float32 tensor on ``device`` (cached: no copy per call)."""
-    t = _DENOMINATORS.get(device)
-    if t is None:
-        t = _DENOMINATORS[device] = torch.full((1,), NVFP4_DENOMINATOR, dtype=torch.float32, device=device)
-    return t
 
 
 def _check_amax_layout(amax: object, experts: int, name: str) -> None:
@@ -384,7 +372,7 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
     if not isinstance(sc, torch.Tensor):
         raise FormatError(f"{fname}: {name}: missing block scales ({name}{SCALE})")
     e, r, cw = w.shape
-    factor = None
+    scale2 = None
     if fname == "mxfp8":
         if sc.dtype != torch.uint8 and sc.dtype == getattr(torch, "float8_e8m0fnu", None):
             sc = sc.view(torch.uint8)
@@ -394,26 +382,28 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
             raise FormatError(f"mxfp8: {name}: weight {list(w.shape)} and scale {list(sc.shape)} do not match "
                               f"(expected scale [E, R, C/32])")
     else:
-        factor = _nvfp4_factor(parts, w, sc, name)
+        scale2 = _nvfp4_globals(parts, w, sc, name)
     dev = _compute_device(device, w, name)
     if dev != w.device or budget_bytes is not None:
-        if factor is not None and not allow_nonfinite:
-            _check_factor(factor, name)  # [E] only, before any slice
-        return _decode_sliced(fname, w, sc, factor, dtype, name, allow_nonfinite, dev, _budget(budget_bytes))
-    # Decoded first, checked after: on a device the kernels flag bad scale bytes as they read them and
-    # the factor check queues behind them, so the one host synchronization waits for the decode alone.
-    out, bad_scales = _decode_values(w, sc, factor, dtype, check=not allow_nonfinite)
-    if not allow_nonfinite:
-        flags = [bad_scales] if factor is None else [bad_scales, _bad_factor(factor).any()]
-        if bool(torch.stack(flags).any()):  # the one host synchronization of the call
-            if factor is not None:
-                _check_factor(factor, name)
-            _check_scales(fname, sc, name)
+        if scale2 is not None and not allow_nonfinite:
+            _check_factor(_factor(scale2), name)  # [E] only, before any slice
+        return _decode_sliced(fname, w, sc, scale2, dtype, name, allow_nonfinite, dev, _budget(budget_bytes))
+    # Decoded first, checked after: on a device the kernels flag bad scale bytes as they read them
+    # (and NVFP4's global factors as they compute them), so the one host synchronization waits for
+    # the decode alone and reads one flag.
+    if scale2 is not None:
+        scale2 = (scale2[0].to(w.device), scale2[1].to(w.device))
+    out, bad = _decode_values(w, sc, scale2, dtype, check=not allow_nonfinite)
+    if bad is not None and bool(bad):  # the one host synchronization of the call
+        if scale2 is not None:
+            _check_factor(_factor(scale2), name)
+        _check_scales(fname, sc, name)
     return out
 
 
-def _nvfp4_factor(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor, name: str) -> torch.Tensor:
-    """Per-expert global factor amax / denominator (float32 [E], on w's device), parts checked for layout."""
+def _nvfp4_globals(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor,
+                   name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax [E], denominator [1] or [E]) float32, where the parts hold them, checked for layout."""
     amax, denom = parts.get(AMAX), parts.get(DENOM)
     if not isinstance(amax, torch.Tensor) or not isinstance(denom, torch.Tensor):
         raise FormatError(f"nvfp4: {name}: missing {name}{AMAX} or {name}{DENOM}")
@@ -425,8 +415,21 @@ def _nvfp4_factor(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.
                           f"amax {list(amax.shape)})")
     if denom.dtype != torch.float32 or denom.numel() not in (1, e):
         raise FormatError(f"nvfp4: {name}{DENOM} must be a float32 scalar or [E], got {list(denom.shape)}")
-    factor = amax.float() / denom.float().reshape(-1).expand(e)  # one float32 division per expert
-    return factor.to(w.device)
+    return amax, denom.reshape(-1)
+
+
+def _factor(scale2: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Per-expert global factor amax / denominator (float32 [E], one division each, on amax's device)."""
+    amax, denom = scale2
+    return amax / denom.to(amax.device).expand(amax.shape[0])
+
+
+def _globals_slice(scale2: tuple[torch.Tensor, torch.Tensor] | None, e0: int,
+                   e1: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if scale2 is None:
+        return None
+    amax, denom = scale2
+    return amax[e0:e1], (denom if denom.numel() == 1 else denom[e0:e1])
 
 
 def _bad_factor(factor: torch.Tensor) -> torch.Tensor:
@@ -465,19 +468,23 @@ def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
                          "pass --allow-nonfinite to decode it anyway")
 
 
-def _decode_values(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype, *,
-                   check: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(decoded [E, R, C] on w's device, 0-d bool: some scale byte is one no quantizer writes, when
-    ``check``) for NVFP4 with its per-expert ``factor`` (amax / denominator), or MXFP8 where
-    ``factor`` is None. The kernels where they apply (no host synchronization), else the reference."""
+def _decode_values(w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor, torch.Tensor] | None,
+                   dtype: torch.dtype, *, check: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(decoded [E, R, C] on w's device, with ``check`` a one-element device tensor, non-zero where
+    some scale byte is one no quantizer writes or some NVFP4 factor is not finite and > 0, else
+    None) for NVFP4 with ``scale2`` = (amax [E], denominator [1] or [E]) on w's device, or MXFP8
+    where ``scale2`` is None. The kernels where they apply (no host synchronization), else the
+    reference."""
     e, r, cw = w.shape
-    cols = cw if factor is None else cw * 2
-    fname = "mxfp8" if factor is None else "nvfp4"
-    no = torch.zeros((), dtype=torch.bool, device=w.device)
+    cols = cw if scale2 is None else cw * 2
+    fname = "mxfp8" if scale2 is None else "nvfp4"
     if not (_gpu.wants_decode(w, dtype) and w.numel()):
-        bad = _bad_scales_flag(fname, sc) if check else no
-        if factor is None:
+        bad = _bad_scales_flag(fname, sc) if check else None
+        if scale2 is None:
             return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype), bad
+        factor = _factor(scale2)
+        if bad is not None:
+            bad = bad | _bad_factor(factor).any()
         return _decode_nvfp4_reference(w, sc, factor, dtype), bad
     ops = _gpu._load()
     out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
@@ -486,11 +493,12 @@ def _decode_values(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | Non
         n = e1 - e0
         wq, s = w[e0:e1].contiguous().view(n, -1), sc[e0:e1].contiguous().view(n, -1)
         o = out[e0:e1].view(n, r * cols)
-        if factor is None:
+        g = _globals_slice(scale2, e0, e1)
+        if g is None:
             ops.mxfp8_decode(wq, s, "e4m3", dtype, out=o, bad=flag)
-        else:
-            ops.nvfp4_decode(wq, s, factor[e0:e1], dtype, factor_last=True, out=o, bad=flag)
-    return out, (no if flag is None else flag[0] > 0)
+        else:  # the factor amax / denominator is computed (and checked) in the kernel
+            ops.nvfp4_decode(wq, s, None, dtype, out=o, bad=flag, amax=g[0], denom=g[1])
+    return out, flag
 
 
 def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -515,22 +523,24 @@ def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Ten
     return out
 
 
-def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor | None, dtype: torch.dtype,
-                   name: str, allow_nonfinite: bool, dev: torch.device, budget: int) -> torch.Tensor:
+def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor, torch.Tensor] | None,
+                   dtype: torch.dtype, name: str, allow_nonfinite: bool, dev: torch.device, budget: int) -> torch.Tensor:
     e, r, cw = w.shape
     cols = cw * 2 if fname == "nvfp4" else cw
     out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
     per_expert = _nbytes(w.shape[1:], w.dtype) + _nbytes(sc.shape[1:], sc.dtype) + _nbytes((r, cols), dtype)
     flags: list[torch.Tensor] = []
     relay = _Relay(w.device, dev)
-    factor = None if factor is None else factor.to(dev)
+    if scale2 is not None:
+        scale2 = (scale2[0].to(dev), scale2[1].to(dev))
     for e0, e1 in _expert_slices(e, per_expert, budget):
         wd, sd = relay.up(w[e0:e1]), relay.up(sc[e0:e1])
-        values, bad = _decode_values(wd, sd, None if factor is None else factor[e0:e1], dtype, check=not allow_nonfinite)
-        flags.append(bad)
+        values, bad = _decode_values(wd, sd, _globals_slice(scale2, e0, e1), dtype, check=not allow_nonfinite)
+        if bad is not None:
+            flags.append(bad.reshape(-1)[:1] != 0)
         relay.down([(values, out[e0:e1])])
     relay.finish()
-    if flags and bool(torch.stack(flags).any()):  # one synchronization, after the last slice
+    if flags and bool(torch.cat(flags).any()):  # one synchronization, after the last slice
         _check_scales(fname, sc, name)
     return out
 

@@ -72,10 +72,11 @@ def _e4m3_value(byte):
 
 
 @triton.jit
-def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl.constexpr, IN_BF16: tl.constexpr):
+def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl.constexpr, IN_BF16: tl.constexpr,
+                      BAD_STRIDE: tl.constexpr):
     """amax_ptr[g] = max |x| over the finite elements of group g (int32 bits of a float32,
     combined with atomic max: non-negative floats order like their bits); bad_ptr[g] = 1 when
-    the group holds a NaN or +-Inf."""
+    the group holds a NaN or +-Inf (bad_ptr[0] for every group with BAD_STRIDE 0)."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     base = g.to(tl.int64) * N
@@ -92,7 +93,7 @@ def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl
     mx = tl.max(acc, axis=0)
     tl.atomic_max(amax_ptr + g, mx.to(tl.int32, bitcast=True))
     anybad = tl.max(bad, axis=0)
-    tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)
+    tl.atomic_max(bad_ptr + g * BAD_STRIDE, anybad, mask=anybad > 0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -100,7 +101,30 @@ def group_amax_kernel(x_ptr, amax_ptr, bad_ptr, N, CHUNK: tl.constexpr, TILE: tl
 
 
 @triton.jit
-def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constexpr, IN_BF16: tl.constexpr):
+def _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
+    """The group's weight_scale_2: ``s2_ptr[g]``, or with FROM_AMAX computed from the group's
+    global amax (what s2_ptr then holds) as the reference does: f32(amax) / 2688 (IEEE division),
+    an amax below 2^-126 taken as 1.0. The first program of the group then stores the amax used
+    (``used_ptr[g]``), the first group's the denominator (``den_ptr``); CHECK_AMAX sets
+    ``bad_ptr[1]`` where the given amax is not finite and > 0. Saves the host three launches."""
+    v = tl.load(s2_ptr + g)
+    s2 = v
+    if FROM_AMAX:
+        used = tl.where(v < 1.1754943508222875e-38, 1.0, v)
+        s2 = tl.math.div_rn(used, tl.full([], 2688.0, tl.float32))
+        first = pid == 0
+        tl.store(used_ptr + g, used, mask=first)
+        tl.store(den_ptr, tl.full([], 2688.0, tl.float32), mask=first & (g == 0))
+        if CHECK_AMAX:
+            ok = (v > 0.0) & (v < float("inf"))  # False for NaN
+            tl.atomic_max(bad_ptr + 1, tl.full([], 1, tl.int32), mask=first & ~ok)
+    return s2
+
+
+
+@triton.jit
+def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, N, NB: tl.constexpr,
+                        IN_BF16: tl.constexpr, FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
     """One pass: block amax -> E4M3 block scale -> E2M1 codes -> packed nibbles.
 
     x: [G, N] (bf16/fp16/fp32); s2_ptr: float32 [G] (weight_scale_2 of each group);
@@ -115,7 +139,7 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
     gbase = g.to(tl.int64) * N
     offs = gbase + blk[:, None] * 16 + tl.arange(0, 16)[None, :]
     x = _load_f32(x_ptr, offs, bmask[:, None], IN_BF16)
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
 
     a = tl.abs(x)
     fin = a < float("inf")
@@ -152,23 +176,42 @@ def nvfp4_encode_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, N, NB: tl.constex
     tl.atomic_max(bad_ptr, anybad, mask=anybad > 0)
 
 
+
 @triton.jit
-def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, N,
-                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr):
+def _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr,
+                  BAD_FROM: tl.constexpr):
+    """The decode's per-group factor: s2_ptr[g], or with FROM_AMAX amax / denominator (one IEEE
+    division, as the reference), the first program of the group flagging a factor that is not
+    finite and > 0 when BAD_FROM > 0."""
+    f = tl.load(s2_ptr + g)
+    if FROM_AMAX:
+        f = tl.math.div_rn(f, tl.load(den_ptr + g * DEN_STRIDE))
+        if BAD_FROM > 0:
+            ok = (f > 0.0) & (f < float("inf"))  # False for NaN
+            tl.atomic_max(bad_ptr, tl.full([], 1, tl.int32), mask=(pid == 0) & ~ok)
+    return f
+
+
+@triton.jit
+def nvfp4_decode_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, den_ptr, N,
+                        NB: tl.constexpr, OUT_KIND: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr,
+                        FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr):
     """out = e2m1(nibble) * (f32(scale) * s2), float32 math, then cast (OUT_KIND 0 f32, 1 bf16, 2 f16).
 
     FACTOR_LAST: out = (e2m1(nibble) * f32(scale)) * s2 instead, the order of the stacked release
     experts (transformers' Inkling2LoopDequantizeExperts; s2 = amax / denominator): the first
     product is exact, the second one rounding, so the two orders differ in the last bit at times.
     BAD_FROM > 0: bad_ptr (int32 [1]) is set to 1 when a block's scale byte is >= BAD_FROM (the
-    caller's validity check, done on the bytes the decode reads anyway)."""
+    caller's validity check, done on the bytes the decode reads anyway). FROM_AMAX: s2_ptr holds
+    each group's amax and den_ptr the denominator(s) (DEN_STRIDE 0: one for all groups): the
+    factor is their IEEE quotient, flagged in bad_ptr (BAD_FROM > 0) unless finite and > 0."""
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = N // 16
     blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
     bmask = blk < nblk
     gbase = g.to(tl.int64) * N
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, DEN_STRIDE, BAD_FROM)
     sbyte = tl.load(sc_ptr + (gbase // 16) + blk, mask=bmask, other=0).to(tl.int32)
     if BAD_FROM > 0:
         tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
@@ -347,7 +390,8 @@ def _absbits_max(w):
 
 
 @triton.jit
-def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr):
+def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, NW, NB: tl.constexpr,
+                             FROM_AMAX: tl.constexpr, CHECK_AMAX: tl.constexpr):
     """NVFP4 encode of bf16 data seen as int32 words. x: [G, NW] int32 (NW = N/2); w: [G, NW/8]
     int64 (8 packed bytes per block); sc: uint8 [G, NW/8]; s2: float32 [G]; bad: int32 [1]."""
     pid = tl.program_id(0)
@@ -359,7 +403,7 @@ def nvfp4_encode_bf16_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.c
     base = row[:, None] * 8 + tl.arange(0, 4)[None, :]
     wa = tl.load(x_ptr + base, mask=bmask[:, None], other=0)
     wb = tl.load(x_ptr + base + 4, mask=bmask[:, None], other=0)
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
 
     mbits = tl.maximum(_absbits_max(wa), _absbits_max(wb))
     badblk = mbits >= 0x7F800000  # NaN or Inf in the block
@@ -475,7 +519,8 @@ def mxfp8_encode_bf16_kernel(x_ptr, q_ptr, sc_ptr, bad_ptr, NW, ELEM_MAX: tl.con
 
 
 @triton.jit
-def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TILE: tl.constexpr):
+def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                           BAD_STRIDE: tl.constexpr):
     """group_amax_kernel for bf16 data seen as int32 words (two elements each): integer max of
     the |element| bits, finite elements only, and a non-finite flag; x: [G, NW]."""
     pid = tl.program_id(0)
@@ -493,7 +538,7 @@ def group_amax_bf16_kernel(x_ptr, amax_ptr, bad_ptr, NW, CHUNK: tl.constexpr, TI
         acc = tl.maximum(acc, tl.maximum(tl.where(lo < 0x7F800000, lo, 0), tl.where(hi < 0x7F800000, hi, 0)))
     tl.atomic_max(amax_ptr + g, tl.max(acc, axis=0))
     anybad = (tl.max(raw, axis=0) >= 0x7F800000).to(tl.int32)
-    tl.atomic_max(bad_ptr + g, anybad, mask=anybad > 0)
+    tl.atomic_max(bad_ptr + g * BAD_STRIDE, anybad, mask=anybad > 0)
 
 
 @triton.jit
@@ -640,8 +685,9 @@ def _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, SANE: 
 
 
 @triton.jit
-def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB: tl.constexpr, ITERS: tl.constexpr,
-                                  HW: tl.constexpr):
+def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, used_ptr, den_ptr, NW, NB: tl.constexpr,
+                                  ITERS: tl.constexpr, HW: tl.constexpr, FROM_AMAX: tl.constexpr,
+                                  CHECK_AMAX: tl.constexpr):
     """nvfp4_encode_bf16_kernel over ITERS tiles per program (loads of the next tile in flight
     while one is computed), with a cheaper path for the usual global scales.
 
@@ -656,10 +702,234 @@ def nvfp4_encode_bf16_loop_kernel(x_ptr, s2_ptr, w_ptr, sc_ptr, bad_ptr, NW, NB:
     pid = tl.program_id(0)
     g = tl.program_id(1)
     nblk = NW // 8
-    s2 = tl.load(s2_ptr + g)
+    s2 = _group_s2(s2_ptr, used_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, CHECK_AMAX)
     six_s2 = s2 * 6.0
     y6 = tl.math.div_rn(tl.full([NB], 1.0, tl.float32), tl.full([NB], 1.0, tl.float32) * six_s2)
     if (s2 >= 8.673617379884035e-19) & (s2 <= 8192.0):
         _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, True, NB, ITERS, HW)
     else:
         _nv_loop(x_ptr, w_ptr, sc_ptr, bad_ptr, pid, g, nblk, s2, six_s2, y6, False, NB, ITERS, HW)
+
+
+# ----------------------------------------------------------------------------------------
+# NVFP4 decode to BF16 without per-element arithmetic. In a block every output is one of 16
+# values: (e2m1 * scale) * s2 rounded to float32, then to BF16 (or e2m1 * (scale * s2) in the
+# other order). With A = the value for e2m1 = 1 and B = the one for 1.5, both rounded as the
+# reference rounds them, the value for 0.5, 2, 4 is A times that power of two and for 3, 6 B
+# times 2 or 4: exact scalings, so they round the same, whenever A and B (as BF16) have
+# exponents in [4, 252] (nothing nears the subnormal range or overflows). Such a block's eight BF16 magnitudes
+# then form a byte table (low bytes, high bytes: two 8-byte tables), looked up four elements
+# at a time by PRMT, the sign bit ORed in. A program whose blocks are not all like that (zero,
+# negative or NaN scales, extreme global factors) takes the float path, element by element.
+
+
+@triton.jit
+def _prmt(a, b, c, HW: tl.constexpr):
+    """PTX prmt.b32 (default mode): byte i of the result is byte (c >> 4i) & 7 of the pair
+    (b:a), or with bit 3 of that nibble set, its top bit replicated. Shifts when not HW."""
+    if HW:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        r = tl.zeros(a.shape, tl.int32)
+        for i in tl.static_range(4):
+            sel = (c >> (4 * i)) & 0xF
+            idx = sel & 7
+            src = tl.where(idx < 4, a, b)
+            byte = (src >> (8 * (idx & 3))) & 0xFF
+            byte = tl.where(sel >= 8, tl.where(byte >= 128, 0xFF, 0), byte)
+            r = r | (byte << (8 * i))
+        return r
+
+
+@triton.jit
+def _bf16_bits(v):
+    """BF16 bits (int32, 0..0xFFFF) of float32 v, round to nearest even (finite v; Inf stays Inf)."""
+    bits = v.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@triton.jit
+def _nv_dec_word(x, tl0, tl1, th0, th1, HW: tl.constexpr):
+    """Four output words (two BF16 each) of one input word x (eight nibbles) from the block's
+    byte tables (magnitude k: low byte k of tl1:tl0, high byte k of th1:th0)."""
+    k = x & 0x77777777
+    k2 = (k >> 16) & 0xFFFF
+    l03 = _prmt(tl0, tl1, k, HW)
+    h03 = _prmt(th0, th1, k, HW)
+    l47 = _prmt(tl0, tl1, k2, HW)
+    h47 = _prmt(th0, th1, k2, HW)
+    xs = x << 4  # element 2j's sign (bit 3 of byte j) at bit 7 of byte j; element 2j+1's is already there
+    o0 = _prmt(l03, h03, tl.full(x.shape, 0x5140, tl.int32), HW)
+    o1 = _prmt(l03, h03, tl.full(x.shape, 0x7362, tl.int32), HW)
+    o2 = _prmt(l47, h47, tl.full(x.shape, 0x5140, tl.int32), HW)
+    o3 = _prmt(l47, h47, tl.full(x.shape, 0x7362, tl.int32), HW)
+    # sign words: byte 1 replicates the top bit of xs's byte j, byte 3 that of x's byte j
+    m = -2147450880  # 0x80008000
+    o0 = o0 | (_prmt(xs, x, tl.full(x.shape, 0xC080, tl.int32), HW) & m)
+    o1 = o1 | (_prmt(xs, x, tl.full(x.shape, 0xD090, tl.int32), HW) & m)
+    o2 = o2 | (_prmt(xs, x, tl.full(x.shape, 0xE0A0, tl.int32), HW) & m)
+    o3 = o3 | (_prmt(xs, x, tl.full(x.shape, 0xF0B0, tl.int32), HW) & m)
+    return o0, o1, o2, o3
+
+
+@triton.jit
+def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
+    """[NB, 8] from eight [NB] vectors, in that order."""
+    nb: tl.constexpr = o0.shape[0]
+    x = tl.reshape(tl.join(tl.join(o0, o4), tl.join(o2, o6)), [nb, 4])  # o0, o2, o4, o6
+    y = tl.reshape(tl.join(tl.join(o1, o5), tl.join(o3, o7)), [nb, 4])  # o1, o3, o5, o7
+    return tl.reshape(tl.join(x, y), [nb, 8])
+
+
+@triton.jit
+def nvfp4_decode_bf16_kernel(w_ptr, sc_ptr, s2_ptr, e2m1_ptr, e4m3_ptr, out_ptr, bad_ptr, den_ptr, NBLK,
+                             NB: tl.constexpr, FACTOR_LAST: tl.constexpr, BAD_FROM: tl.constexpr,
+                             FROM_AMAX: tl.constexpr, DEN_STRIDE: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
+    """nvfp4_decode_kernel to BF16 with the packed weight as int64 (w: [G, NBLK], one per block of
+    16) and the output as int32 words (out: [G, 8 * NBLK], two BF16 each); same results, bit for
+    bit (see the section comment above). EVEN: NBLK is a multiple of NB (no masks)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < NBLK
+    row = g.to(tl.int64) * NBLK + blk
+    s2 = _group_factor(s2_ptr, den_ptr, bad_ptr, pid, g, FROM_AMAX, DEN_STRIDE, BAD_FROM)
+    if EVEN:
+        sbyte = tl.load(sc_ptr + row).to(tl.int32)
+        x64 = tl.load(w_ptr + row)
+    else:
+        sbyte = tl.load(sc_ptr + row, mask=bmask, other=0).to(tl.int32)
+        x64 = tl.load(w_ptr + row, mask=bmask, other=0)
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
+    wa = x64.to(tl.int32)  # low word: elements 0-7
+    wb = (x64 >> 32).to(tl.int32)
+    sval = _e4m3_value(sbyte & 0x7F)
+    a32 = sval * s2
+    if FACTOR_LAST:
+        b32 = (sval * 1.5) * s2
+    else:
+        b32 = a32 * 1.5
+    a16 = _bf16_bits(a32)
+    b16 = _bf16_bits(b32)
+    ea = a16 >> 7
+    eb = b16 >> 7
+    sane = (sbyte < 0x7F) & (ea >= 4) & (ea <= 252) & (eb >= 4) & (eb <= 252)
+    offs = row[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if tl.min((sane | ~bmask).to(tl.int32), axis=0) > 0:
+        la = a16 & 0xFF
+        lb = b16 & 0xFF
+        ha = a16 >> 8
+        hb = b16 >> 8
+        # magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 -> 0, A/2, A, B | 2A, 2B, 4A, 4B (BF16 bits)
+        tl0 = ((la ^ 0x80) << 8) | (la << 16) | (lb << 24)
+        tl1 = (la ^ 0x80) | ((lb ^ 0x80) << 8) | (la << 16) | (lb << 24)
+        th0 = (((a16 - 128) >> 8) << 8) | (ha << 16) | (hb << 24)
+        th1 = ((a16 + 128) >> 8) | (((b16 + 128) >> 8) << 8) | ((ha + 1) << 16) | ((hb + 1) << 24)
+        o0, o1, o2, o3 = _nv_dec_word(wa, tl0, tl1, th0, th1, HW)
+        o4, o5, o6, o7 = _nv_dec_word(wb, tl0, tl1, th0, th1, HW)
+        out = _join8(o0, o1, o2, o3, o4, o5, o6, o7)
+        if EVEN:
+            tl.store(out_ptr + offs, out)
+        else:
+            tl.store(out_ptr + offs, out, mask=bmask[:, None])
+    else:
+        sv = tl.load(e4m3_ptr + sbyte)  # any byte (NaN, negative), as the generic kernel
+        words = tl.join(wa, wb)  # [NB, 2]
+        nib = (words[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 0xF
+        vals = tl.reshape(tl.load(e2m1_ptr + nib), [NB, 16])
+        if FACTOR_LAST:
+            v = (vals * sv[:, None]) * s2
+        else:
+            eff = sv * s2
+            v = vals * eff[:, None]
+        b = tl.where(v != v, 0x7FC0, _bf16_bits(v))
+        lo, hi = tl.split(tl.reshape(b, [NB, 8, 2]))
+        tl.store(out_ptr + offs, lo | (hi << 16), mask=bmask[:, None])
+
+
+# ----------------------------------------------------------------------------------------
+# MXFP8 (E4M3) decode to BF16 without a table per element. For a scale byte s in [15, 246],
+# e4m3 * 2^(s - 127) is a normal BF16 value for every finite E4M3 element (|e4m3| in [2^-9, 448]),
+# so the reference's float32 product and BF16 cast are exact: the result is the element's
+# half-precision bits (the hardware's exact E4M3 -> F16 conversion, two at a time) with the
+# exponent re-biased by s - 15 and the mantissa cut to 7 bits (E4M3 has 3), zeros kept, signs
+# kept. Two elements per 32-bit operation. A program with a scale outside that range or a NaN
+# element takes the float path.
+
+
+@triton.jit
+def _e4m3x2_f16(p, HW: tl.constexpr):
+    """F16 bits of the two E4M3 bytes in the low 16 bits of p (the first in the low half), for
+    non-NaN bytes; exact (every E4M3 value is an F16 value)."""
+    if HW:
+        return tl.inline_asm_elementwise("{ .reg .b16 t; cvt.u16.u32 t, $1; cvt.rn.f16x2.e4m3x2 $0, t; }", "=r,r", [p],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        b0 = p & 0xFF
+        b1 = (p >> 8) & 0xFF
+        return _e4m3_f16_bits(b0) | (_e4m3_f16_bits(b1) << 16)
+
+
+@triton.jit
+def _e4m3_f16_bits(b):
+    """F16 bits of one non-NaN E4M3 byte (the shift path of _e4m3x2_f16)."""
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = ((e + 8) << 10) | (m << 7)
+    # subnormal m * 2^-9: through float32 (exact), then F16 bits of that normal value
+    f = (m.to(tl.float32) * 0.001953125).to(tl.int32, bitcast=True)
+    sub = tl.where(m == 0, 0, (((f >> 23) - 112) << 10) | ((f >> 13) & 0x3FF))
+    return tl.where(e == 0, sub, normal) | ((b & 0x80) << 8)
+
+
+@triton.jit
+def _mx_bf16_pair(p, k, HW: tl.constexpr):
+    """Word of two BF16 (first element low) of the E4M3 pair in p's low 16 bits, scaled by
+    2^(s - 127), k = (s - 15) << 7 (s in [15, 246]): exponent re-biased in both lanes at once."""
+    h = _e4m3x2_f16(p, HW)
+    v = (h >> 3) & 0x0FFF0FFF  # exponent and top 7 mantissa bits per lane, signs dropped
+    nz = ((v + 0x7FFF7FFF) >> 15) & 0x00010001  # lanes holding a non-zero value
+    return (v + nz * k) | (h & -2147450880)  # + k per non-zero lane (no carry: lanes stay < 2^15); signs
+
+
+@triton.jit
+def mxfp8_decode_bf16_kernel(q_ptr, sc_ptr, elem_ptr, e8m0_ptr, out_ptr, bad_ptr, NBLK, NB: tl.constexpr,
+                             BAD_FROM: tl.constexpr, HW: tl.constexpr, EVEN: tl.constexpr):
+    """mxfp8_decode_kernel for E4M3 elements to BF16, the elements as int32 words (q: [G, 8 * NBLK],
+    four per word) and the output as int32 words (out: [G, 16 * NBLK], two BF16 each); same
+    results, bit for bit (see the section comment above). EVEN: NBLK is a multiple of NB."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    blk = pid.to(tl.int64) * NB + tl.arange(0, NB)
+    bmask = blk < NBLK
+    row = g.to(tl.int64) * NBLK + blk
+    qoffs = row[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if EVEN:
+        sbyte = tl.load(sc_ptr + row).to(tl.int32)
+        x = tl.load(q_ptr + qoffs)
+    else:
+        sbyte = tl.load(sc_ptr + row, mask=bmask, other=0).to(tl.int32)
+        x = tl.load(q_ptr + qoffs, mask=bmask[:, None], other=0)
+    if BAD_FROM > 0:
+        tl.atomic_max(bad_ptr + tl.zeros([NB], tl.int32), tl.full([NB], 1, tl.int32), mask=bmask & (sbyte >= BAD_FROM))
+    nan = tl.max((((x & 0x7F7F7F7F) + 0x01010101) & -2139062144) != 0, axis=1)  # some byte is 0x7F / 0xFF
+    sane = (sbyte >= 15) & (sbyte <= 246) & ~nan
+    ooffs = row[:, None] * 16 + tl.arange(0, 16)[None, :]
+    if tl.min((sane | ~bmask).to(tl.int32), axis=0) > 0:
+        k = ((sbyte - 15) << 7)[:, None]
+        lo = _mx_bf16_pair(x, k, HW)  # elements 0, 1 of each word
+        hi = _mx_bf16_pair(x >> 16, k, HW)  # elements 2, 3
+        out = tl.reshape(tl.join(lo, hi), [NB, 16])
+        if EVEN:
+            tl.store(out_ptr + ooffs, out)
+        else:
+            tl.store(out_ptr + ooffs, out, mask=bmask[:, None])
+    else:
+        s = tl.load(e8m0_ptr + sbyte)
+        byte = (x[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF  # [NB, 8, 4]
+        v = tl.reshape(tl.load(elem_ptr + byte), [NB, 32]) * s[:, None]
+        b = tl.where(v != v, 0x7FC0, _bf16_bits(v))
+        lo2, hi2 = tl.split(tl.reshape(b, [NB, 16, 2]))
+        tl.store(out_ptr + ooffs, lo2 | (hi2 << 16), mask=bmask[:, None])
