@@ -64,6 +64,16 @@ def _code_env(code: Path) -> dict[str, str]:
     return env
 
 
+def profiled(cmd: list[str], profile: str | None, name: str) -> list[str]:
+    """``cmd`` under py-spy (sampled stacks of every thread, idle ones included, in its raw
+    collapsed format) when ``--profile DIR`` asks for it; py-spy is not a dependency."""
+    if not profile:
+        return cmd
+    Path(profile).mkdir(parents=True, exist_ok=True)
+    return ["py-spy", "record", "--subprocesses", "--threads", "--idle", "--nonblocking", "-r", "47", "-f", "raw",
+            "-o", str(Path(profile) / f"{name}.txt"), "--", *cmd]
+
+
 def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
     """Run one step from a settled page cache, in a wrapper process: wall seconds, peak RSS of the
     largest process of the step (the wrapper's ``RUSAGE_CHILDREN``: torchrun's ranks included),
@@ -89,7 +99,18 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
     if m:
         gpu = int(float(m.group(1)) * {"GB": 1e9, "MB": 1e6, "kB": 1e3}[m.group(2)])
     first = next((ln for ln in p.stdout.splitlines() if ln.startswith(("wrote", "resumed"))), "")
-    return {"seconds": info["wall"], "peak_rss": info["rss"], "peak_gpu": gpu, "line": first}
+    report: dict = {}
+    text = p.stdout.rsplit("BENCH ", 1)[0]
+    at = text.find("{")
+    if at >= 0:  # the command's --json report (rank 0's)
+        try:
+            report = json.JSONDecoder().raw_decode(text[at:])[0]
+        except ValueError:
+            pass
+    ranks = report.get("ranks", {}).get("each", []) if isinstance(report.get("ranks"), dict) else []
+    if ranks:
+        gpu = max(gpu, max(r.get("peak_gpu_bytes", 0) for r in ranks))
+    return {"seconds": info["wall"], "peak_rss": info["rss"], "peak_gpu": gpu, "line": first, "rank_stats": ranks}
 
 
 def folder_bytes(p: Path) -> int:
@@ -123,7 +144,7 @@ def cli(ranks: int) -> list[str]:
 def flags(device: str, args: argparse.Namespace) -> list[str]:
     if args.legacy:
         return ["-q"]
-    out = ["-q", "--device", device]
+    out = ["-q", "--json", "--device", device]
     if args.slice_mb:
         out += ["--slice-mb", str(args.slice_mb)]
     if args.workers:
@@ -204,7 +225,8 @@ def grid(args: argparse.Namespace) -> dict:
                     shutil.rmtree(p, ignore_errors=True)
                 for p in out.parent.glob(f".{out.name}.inkling-done.json"):
                     p.unlink()
-                m = measured(cli(ranks) + cmd_args + flags(device, args), code, *inputs)
+                m = measured(profiled(cli(ranks) + cmd_args + flags(device, args), args.profile,
+                                      f"{command}-{device}-x{ranks}"), code, *inputs)
                 nread, nwritten = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]]), folder_bytes(out)
                 m.update({"command": command, "device": device, "ranks": ranks, "bytes_read": nread,
                           "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
@@ -217,7 +239,9 @@ def grid(args: argparse.Namespace) -> dict:
                 print(f"  {command:15s} {device:4s} x{ranks}: {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
                       f"{m['share_of_plain']:4.0%} of plain  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
                       f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
-                      + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}"),
+                      + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
+                      + "".join(f"  [r{r['rank']}: waited {r.get('wait_seconds', 0):.1f} s, sink {r.get('sink_seconds', 0):.1f} s"
+                                f" of {r['seconds']:.1f} s]" for r in m["rank_stats"]),
                       flush=True)
                 if command != "hf-to-megatron":
                     shutil.rmtree(out, ignore_errors=True)
@@ -252,7 +276,8 @@ def full_layer(args: argparse.Namespace) -> dict:
                                 "--max-shard-size", shard], [mg], back),
             ("dequantize", ["dequantize", str(back), str(deq), "--max-shard-size", shard], [back], deq)]
     for i, (name, cmd_args, inputs, out) in enumerate(plan):
-        m = measured(cli(1) + cmd_args + flags(device, args), code, *inputs)
+        m = measured(profiled(cli(1) + cmd_args + flags(device, args), args.profile, f"layer-{name}-{device}"),
+                     code, *inputs)
         nread, nwritten = input_bytes(inputs), folder_bytes(out)
         m.update({"command": name, "bytes_read": nread, "bytes_written": nwritten,
                   "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
@@ -313,6 +338,9 @@ def main() -> None:
     ap.add_argument("--legacy", action="store_true", help="the checkout predates --device/--slice-mb/--workers: pass none")
     ap.add_argument("--keep", action="store_true", help="keep the generated fixtures for the next run")
     ap.add_argument("--json", help="write the figures to this file")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="run each step under py-spy (pip install py-spy), sampled stacks of every thread into DIR; "
+                         "the sampling slows the steps a little")
     args = ap.parse_args()
     res = grid(args) if args.mode == "grid" else full_layer(args)
     save(res, args)

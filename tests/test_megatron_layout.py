@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inkling_ckpt.errors import CheckpointError
+from inkling_ckpt.errors import CheckpointError, IntegrityError
+from inkling_ckpt.layouts import megatron as megatron_layout
 from inkling_ckpt.layouts.megatron import (
     ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir, read_dcp_metadata,
     write_dcp,
@@ -77,6 +78,24 @@ def test_reader_assembles_any_chunking(tmp_path):
     assert ckpt.common["content_metadata"] == {"non_homogeneous_layers": True}
     with pytest.raises(CheckpointError, match="outside"):
         ckpt.read("a", (4, 0), (3, 8))
+
+
+@pytest.mark.parametrize("one_read", [True, False], ids=["one-read", "streamed"])
+def test_reader_checks_every_blob_on_either_read_path(tmp_path, monkeypatch, one_read):
+    """Chunks up to ONE_READ_BYTES are read once for checksum and load, bigger ones streamed twice:
+    both give the stored tensor, and both refuse a blob whose bytes changed (same length)."""
+    if not one_read:
+        monkeypatch.setattr(megatron_layout, "ONE_READ_BYTES", 0)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(64, 32, generator=g).to(torch.bfloat16)
+    _write(tmp_path, {"a": a}, {"a": [((0, 0), (32, 32)), ((32, 0), (32, 32))]})
+    assert torch.equal(TorchDistCheckpoint.open(tmp_path).read("a"), a)
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[-200] ^= 0x01  # inside the last blob's tensor bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="sha256"):
+        TorchDistCheckpoint.open(tmp_path).read("a")
 
 
 def test_reader_reads_a_part_of_a_chunk_by_position(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ from ..model.config import InklingConfig
 from ..model.inventory import TensorSpec
 from ..model.precision import PrecisionPlan
 from .hf import INDEX, SINGLE, HFCheckpoint, split_repo_id
-from .megatron import DCP_METADATA, METADATA_JSON, RELEASE, TRACKER
+from .megatron_names import DCP_METADATA, METADATA_JSON, RELEASE, TRACKER
 
 HF, TORCH_DIST, SHARDED = "hf", "torch_dist", "sharded"
 LAYOUTS = (HF, TORCH_DIST, SHARDED)

@@ -14,10 +14,11 @@ import os
 import re
 import struct
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Mapping, Protocol, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -430,6 +431,10 @@ class HFWriter:
         self.owner = _assign({f: sh.size for f, sh in self.shards.items()}, ranks)
         self._pieces: dict[str, list[tuple[int, int]]] = {}  # disjoint sorted row ranges done, of tensors not complete
         self._since_checkpoint = 0
+        # Making pieces durable (fdatasync, then their list) and finishing shards (fsync, rename) run
+        # on one background thread, in order, so writing never stops while the disk catches up.
+        self._syncer: ThreadPoolExecutor | None = None
+        self._syncs: list[Future[None]] = []
         for f, shard in self.shards.items():
             if self.owner[f] != rank:
                 shard.remaining.clear()  # another rank's file
@@ -525,12 +530,37 @@ class HFWriter:
             fh.close()
             shard.fh = None
             shard.journal.clear()
-            self.staging.finish(shard.file)
-            pieces = self._pieces_path(shard)
-            if pieces.exists():
-                pieces.unlink()
+            self._background(self._complete, shard)
         elif self._since_checkpoint >= CHECKPOINT_BYTES:
             self.checkpoint()
+
+    def _complete(self, shard: _Shard) -> None:
+        self.staging.finish(shard.file)  # fsync, then the rename that marks it complete
+        pieces = self._pieces_path(shard)
+        if pieces.exists():
+            pieces.unlink()
+
+    def _background(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn`` on the syncing thread after what was handed to it before; a failure there
+        is raised here, at the next hand-over, or at :meth:`close`."""
+        for fut in self._syncs:
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+        self._syncs = [f for f in self._syncs if not f.done()]
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-fsync")
+        self._syncs.append(self._syncer.submit(fn, *args))
+
+    def _settle(self, *, raise_errors: bool = True) -> None:
+        """Wait for the syncing thread's work; raise its first failure."""
+        failed = [e for e in (f.exception() for f in self._syncs) if e is not None]
+        if raise_errors and failed:
+            raise failed[0]
+        if not failed:
+            self._syncs = []
+            if self._syncer is not None:
+                self._syncer.shutdown()
+                self._syncer = None
 
     def _done_rows(self, shard: _Shard, name: str, start: int, rows: int) -> None:
         spec = self.specs[name]
@@ -552,13 +582,22 @@ class HFWriter:
         for shard in self.shards.values():
             if shard.fh is None or not shard.journal:
                 continue
-            shard.fh.flush()
-            os.fdatasync(shard.fh.fileno())
-            with open(self._pieces_path(shard), "a") as j:
-                j.write("".join(line + "\n" for line in shard.journal))
-                j.flush()
+            shard.fh.flush()  # into the kernel here; to the disk on the syncing thread, through its own descriptor
+            fd = os.dup(shard.fh.fileno())
+            lines = "".join(line + "\n" for line in shard.journal)
             shard.journal.clear()
+            self._background(self._sync_pieces, fd, self._pieces_path(shard), lines)
         self._since_checkpoint = 0
+
+    @staticmethod
+    def _sync_pieces(fd: int, listed: Path, lines: str) -> None:
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+        with open(listed, "a") as j:
+            j.write(lines)
+            j.flush()
 
     def _load_pieces(self, shard: _Shard) -> None:
         """Take back the pieces of a partial shard listed at its last checkpoint (if the file is whole)."""
@@ -593,6 +632,7 @@ class HFWriter:
 
     def close(self, *, index: bool | None = None) -> None:
         """Check this rank wrote everything it owns; write the index (rank 0 by default)."""
+        self._settle()
         left = self.pending()
         if left:
             raise CheckpointError(f"writer: {len(left)} planned tensors were never written (first: {left[0]})")
@@ -612,10 +652,13 @@ class HFWriter:
             self.checkpoint()
         except OSError:
             pass
-        for shard in self.shards.values():
-            if shard.fh is not None:
-                shard.fh.close()
-                shard.fh = None
+        try:
+            self._settle(raise_errors=False)  # what was handed to the syncing thread reaches the disk first
+        finally:
+            for shard in self.shards.values():
+                if shard.fh is not None:
+                    shard.fh.close()
+                    shard.fh = None
 
 
 def _merge(ranges: list[tuple[int, int]], a: int, b: int) -> list[tuple[int, int]]:

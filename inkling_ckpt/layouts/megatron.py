@@ -51,7 +51,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future as ThreadFuture, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
@@ -76,12 +76,9 @@ from torch.futures import Future
 from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
+from .megatron_names import COMMON, DCP_METADATA, METADATA_JSON, RELEASE, TRACKER  # re-exported
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"
-METADATA_JSON = "metadata.json"
-COMMON = "common.pt"
-DCP_METADATA = ".metadata"
+
 UNITS_DIR = ".inkling-units"
 SUMS_SUFFIX = ".sha256"  # beside each data file: "offset length sha256" per blob, verified on read
 # mcore <= 0.18 does CheckpointingConfig(**json): exactly these keys (reference §6.2).
@@ -288,80 +285,125 @@ class _UnitWriter(FileSystemWriter):
         return plan
 
     def write_data(self, plan: SavePlan, planner: _LazyPlanner) -> Future[list[WriteResult]]:  # type: ignore[override]
+        """Write every unit not finished by an earlier run: one file each, in unit order.
+
+        One stream of items runs through ``map_items`` across all units, so building (reading,
+        decoding, serializing and hashing each blob, on the workers) never stalls at a unit's
+        end; this thread only writes the blobs. A finished file is made durable (fsync, rename,
+        checksums, resume record) on a background thread while the next one is written.
+        """
         by_unit: dict[int, list[WriteItem]] = {}
         for wi in plan.items:
             by_unit.setdefault(planner.item_of(wi).unit, []).append(wi)
-        results: list[WriteResult] = []
+        root = Path(self.path)
+        done: dict[int, list[WriteResult]] = {}
+        stream: list[tuple[int, WriteItem]] = []
         for unit in sorted(by_unit):
-            results.extend(self._write_unit(unit, by_unit[unit], planner))
+            name = f"__{unit}_0.distcp"
+            old = _read_sidecar(root / UNITS_DIR / f"{unit}.json", name, by_unit[unit])
+            if old is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
+                self.units_resumed += 1
+                chunks = [planner.item_of(wi) for wi in by_unit[unit] if wi.type != WriteItemType.BYTE_IO]
+                self._on_written(sum(c.nbytes for c in chunks if isinstance(c, ChunkItem)), unit, True)
+                done[unit] = old
+                continue
+            # Objects first, then tensors, each a torch.save blob at a recorded offset.
+            items = by_unit[unit]
+            stream += [(unit, wi) for wi in items if wi.type == WriteItemType.BYTE_IO]
+            stream += [(unit, wi) for wi in items if wi.type != WriteItemType.BYTE_IO]
+
+        def build(entry: tuple[int, WriteItem]) -> _Blob:
+            data = planner.resolve_data(entry[1])
+            blob = _Blob(0 if isinstance(data, io.BytesIO) else data.nbytes)
+            if isinstance(data, io.BytesIO):
+                blob.write(data.getbuffer())
+            else:
+                with _no_crc32():  # a per-thread setting: set where the blob is serialized
+                    torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
+            return blob
+
+        finishing: list[ThreadFuture[None]] = []
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-fsync") as syncer:
+            f: Any = None
+            current = -1
+            results: list[WriteResult] = []
+            sums: list[str] = []
+            try:
+                for (unit, wi), blob in self._map(stream, build):
+                    if unit != current:
+                        if f is not None:
+                            finishing.append(syncer.submit(self._finish_unit, f, current, results, sums))
+                            f = None
+                        current, results, sums = unit, [], []
+                        done[unit] = results
+                        f = open(root / f"__{unit}_0.distcp.partial", "wb")
+                    start = f.tell()
+                    for part in blob.parts:
+                        f.write(part)
+                    length = f.tell() - start
+                    sums.append(f"{start} {length} {blob.hexdigest()}\n")
+                    results.append(WriteResult(index=wi.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(f"__{unit}_0.distcp", start, length)))
+                    if blob.tensor_bytes:
+                        self._on_written(blob.tensor_bytes, unit, False)
+                    del blob
+                if f is not None:
+                    finishing.append(syncer.submit(self._finish_unit, f, current, results, sums))
+                    f = None
+            finally:
+                if f is not None:
+                    f.close()
+                # Every file handed to the syncer is settled before returning (or raising).
+                failed = [e for e in (fut.exception() for fut in finishing) if e is not None]
+        if failed:
+            raise failed[0]
+        out = [r for unit in sorted(done) for r in done[unit]]
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result(out)
         return fut
 
-    def _write_unit(self, unit: int, items: list[WriteItem], planner: _LazyPlanner) -> list[WriteResult]:
+    def _finish_unit(self, f: Any, unit: int, results: list[WriteResult], sums: list[str]) -> None:
+        """A unit's file is complete: to disk, published under its name, then its checksums and resume record."""
         root = Path(self.path)
         name = f"__{unit}_0.distcp"
-        sidecar = root / UNITS_DIR / f"{unit}.json"
-        done = _read_sidecar(sidecar, name, items)
-        if done is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
-            self.units_resumed += 1
-            chunks = [planner.item_of(wi) for wi in items if wi.type != WriteItemType.BYTE_IO]
-            self._on_written(sum(c.nbytes for c in chunks if isinstance(c, ChunkItem)), unit, True)
-            return done
-        partial = root / (name + ".partial")
-        results: list[WriteResult] = []
-        # Objects first, then tensors, each a torch.save blob at a recorded offset.
-        ordered = [wi for wi in items if wi.type == WriteItemType.BYTE_IO] + \
-                  [wi for wi in items if wi.type != WriteItemType.BYTE_IO]
-        sums: list[str] = []
-        with open(partial, "wb") as f, _no_crc32():
-            for wi, data in self._map(ordered, planner.resolve_data):
-                start = f.tell()
-                hw = _HashingWriter(f)
-                if isinstance(data, io.BytesIO):
-                    hw.write(data.getbuffer())
-                else:
-                    try:
-                        torch.save(data, hw)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
-                    except RuntimeError as e:  # torch's zip writer hides a full disk behind its own error
-                        if isinstance(e.__context__, OSError):
-                            raise e.__context__ from None
-                        raise
-                length = f.tell() - start
-                sums.append(f"{start} {length} {hw.hexdigest()}\n")
-                results.append(WriteResult(index=wi.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, start, length)))
-                if not isinstance(data, io.BytesIO):
-                    self._on_written(data.nbytes, unit, False)
-                del data
+        try:
             f.flush()
             os.fsync(f.fileno())
-        os.replace(partial, root / name)
+        finally:
+            f.close()
+        os.replace(root / (name + ".partial"), root / name)
         tmp_sums = root / (name + SUMS_SUFFIX + ".tmp")
         tmp_sums.write_text("".join(sums))
         os.replace(tmp_sums, root / (name + SUMS_SUFFIX))
+        sidecar = root / UNITS_DIR / f"{unit}.json"
         sidecar.parent.mkdir(exist_ok=True)
         tmp = sidecar.with_suffix(".tmp")
         tmp.write_text(json.dumps({"file": name, "items": [
             [r.index.fqn, list(r.index.offset) if r.index.offset is not None else None,
              r.storage_data.offset, r.storage_data.length] for r in results]}))
         os.replace(tmp, sidecar)
-        return results
 
 
-class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through (torch.save writes via ``write``)."""
+class _Blob:
+    """One item serialized in memory (by a worker), with its sha256: the writing thread only copies it out.
 
-    def __init__(self, f: Any):
-        self._f = f
+    ``torch.save`` writes through ``write``; each piece is copied (the zip writer hands views
+    of the tensor's memory) and hashed as it arrives.
+    """
+
+    def __init__(self, tensor_bytes: int):
+        self.tensor_bytes = tensor_bytes
+        self.parts: list[bytes] = []
         self._h = hashlib.sha256()
 
     def write(self, b: Any) -> int:
-        self._h.update(b)
-        return self._f.write(b)
+        data = bytes(b)
+        self._h.update(data)
+        self.parts.append(data)
+        return len(data)
 
     def flush(self) -> None:
-        self._f.flush()
+        pass
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -409,7 +451,8 @@ def _no_crc32() -> Iterator[None]:
 
     Every ``torch.load`` can read the result: PyTorch builds its zip reader with
     ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS`` (and documents that loading works,
-    ``torch.serialization.set_crc32_options``); only a generic unzip would complain.
+    ``torch.serialization.set_crc32_options``); only a generic unzip would complain. The setting
+    is per thread (torch keeps it thread-local): it applies where ``torch.save`` runs.
     """
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
@@ -657,6 +700,8 @@ for _op in (pickle.REDUCE, pickle.NEWOBJ, pickle.NEWOBJ_EX, pickle.OBJ, pickle.I
     _MetadataUnpickler.dispatch[_op[0]] = _marking(_op)
 
 MAX_METADATA_BYTES = 4 << 30  # .metadata of the full-size model is tens of MB
+#: Stored chunks up to this size are read once into memory (checksum and load from the same bytes).
+ONE_READ_BYTES = 1 << 30
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
@@ -1065,8 +1110,18 @@ class TorchDistCheckpoint:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
-                self._verify(path, info, key)
-                t = _safe_load(_Slice(f, info.offset, info.length), what)
+                if info.length <= ONE_READ_BYTES:
+                    # One read serves the checksum and the load (reading the blob twice cost a third of
+                    # megatron-to-hf's reading); BytesIO shares the bytes object instead of copying it.
+                    raw = os.pread(f.fileno(), info.length, info.offset)
+                    if len(raw) != info.length:
+                        raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                    self._verify(path, info, key, hashlib.sha256(raw).hexdigest() if self._sums else None)
+                    t = _safe_load(io.BytesIO(raw), what)
+                    del raw
+                else:  # a huge blob: checked by streaming it, then loaded straight from the file
+                    self._verify(path, info, key)
+                    t = _safe_load(_Slice(f, info.offset, info.length), what)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if not isinstance(t, torch.Tensor):

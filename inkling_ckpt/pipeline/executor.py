@@ -50,13 +50,17 @@ def share_cores(cores: int, local_ranks: int, workers: int, device_type: str) ->
 
     The ranks on one node split its cores evenly, and a rank's workers split its share, so the
     node runs ``cores`` threads in all whatever the rank count (more oversubscribes: two ranks
-    each using every core ran slower than one). ``workers`` 0 means the default: on the CPU one
-    per core of the rank's share, at most :data:`MAX_DEFAULT_WORKERS`; on a GPU 2. At least 1 each.
-    On a GPU a worker mostly waits on its stream: one thread.
+    each using every core ran slower than one). ``workers`` 0 means the default: one per core of
+    the rank's share, at most :data:`MAX_DEFAULT_WORKERS`, and at least 2 on a GPU (the GPU work of
+    a slice takes milliseconds; reading, checking and serializing it on the host does not, so the
+    host side wants several slices in flight). At least 1 each. On a GPU a worker mostly waits on
+    its stream or in I/O: one torch thread.
     """
     share = max(1, cores // max(1, local_ranks))
     if workers <= 0:
-        workers = 2 if device_type == "cuda" else max(1, min(share, MAX_DEFAULT_WORKERS))
+        workers = max(1, min(share, MAX_DEFAULT_WORKERS))
+        if device_type == "cuda":
+            workers = max(2, workers)
     threads = max(1, share // workers) if device_type == "cpu" else 1
     return workers, threads
 
@@ -84,7 +88,7 @@ class Options:
 
     device: str = "auto"
     slice_bytes: int = DEFAULT_SLICE_BYTES
-    workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS; 2 on a GPU)
+    workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS; 2+ on a GPU)
     progress: bool = True
 
 
@@ -103,6 +107,10 @@ class RankStats:
     bytes_reused: int = 0
     seconds: float = 0.0
     peak_gpu_bytes: int = 0
+    # Where the writing thread's time went: waiting for transforms (the work is the bound) or
+    # handling results (writing: the sink is the bound). Measured in ``map``.
+    wait_seconds: float = 0.0
+    sink_seconds: float = 0.0
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,7 +118,8 @@ class RankStats:
                 "units": self.units,
                 "units_reused": self.units_reused, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
-                "peak_gpu_bytes": self.peak_gpu_bytes, "span": self.where}
+                "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
+                "sink_seconds": round(self.sink_seconds, 3), "span": self.where}
 
 
 class Executor:
@@ -123,7 +132,6 @@ class Executor:
         self.world = world or current_world()
         self.device = resolve_device(self.options.device)
         self.slice_bytes = max(1, int(self.options.slice_bytes))
-        # On a GPU two workers by default: one slice on the device while the next is read and the last copied back.
         self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type)
         self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers,
                                threads=self.threads)
@@ -147,11 +155,19 @@ class Executor:
             return
         threads = self.threads
         main_threads = torch.get_num_threads()
+        clock = time.perf_counter
+        stats = self.stats
         if self.workers == 1 and self.device.type == "cpu":
             torch.set_num_threads(threads)  # this rank's share of the node's cores
             try:
                 for u in units:  # no thread: the simplest schedule, same results
-                    yield u, transform(u)
+                    t = clock()
+                    r = transform(u)
+                    t1 = clock()
+                    stats.wait_seconds += t1 - t
+                    yield u, r
+                    del r
+                    stats.sink_seconds += clock() - t1
             finally:
                 torch.set_num_threads(main_threads)
             return
@@ -170,12 +186,16 @@ class Executor:
                         break
                 while pending:
                     u, fut = pending.popleft()
+                    t = clock()
                     result = fut.result()
+                    t1 = clock()
+                    stats.wait_seconds += t1 - t
                     nxt = next(it, None)
                     if nxt is not None:
                         pending.append((nxt, pool.submit(self._run_one, transform, nxt)))
                     yield u, result
                     del result
+                    stats.sink_seconds += clock() - t1
         finally:
             for _, fut in pending:
                 fut.cancel()
