@@ -7,6 +7,8 @@ byte counts. Sizes people type (``--max-shard-size 5GB``, ``2MiB``) are parsed b
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
 _UNITS = (("TB", TB), ("GB", GB), ("MB", MB), ("kB", KB))
 UNIT_DIVISOR = 1000  # for progress bars (tqdm's unit_scale), so their "G" is a GB too
@@ -22,3 +24,15 @@ def fmt_bytes(n: float, unit: str | None = None, *, digits: int = 2) -> str:
     if div is None:
         raise ValueError(f"unknown unit {unit!r}")
     return f"{n / div:.{digits}f} {unit}"
+
+
+def ranks_phrase(each: Sequence[dict[str, Any]]) -> str:
+    """The end of a job's closing line from its per-rank stats (``"ranks"`` of a report): how many
+    ranks took part, the device, and the peak GPU memory of the busiest rank (``""`` for none)."""
+    out = f"; {len(each)} ranks" if len(each) > 1 else ""
+    if each:
+        out += f"; {each[0]['device']}"
+        gpu = max(r.get("peak_gpu_bytes", 0) for r in each)
+        if gpu:
+            out += f", peak GPU memory {fmt_bytes(gpu)}"
+    return out

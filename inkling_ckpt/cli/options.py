@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from ..units import fmt_bytes
+from ..units import fmt_bytes, ranks_phrase
 
 
 class Scales(str, Enum):
@@ -188,16 +188,7 @@ def _figures(rep: dict[str, Any]) -> str:
            f"{rate:.0f} MB/s")
     if rep.get("bytes_reused"):
         out += f"; the resume reused {fmt_bytes(rep['bytes_reused'])}"
-    ranks = rep.get("ranks") or {}
-    each = ranks.get("each") or []
-    if ranks.get("count", 1) > 1:
-        out += f"; {ranks['count']} ranks"
-    if each:
-        out += f"; {each[0]['device']}"
-        gpu = max(r.get("peak_gpu_bytes", 0) for r in each)
-        if gpu:
-            out += f", peak GPU memory {fmt_bytes(gpu)}"
-    return out + ")"
+    return out + ranks_phrase((rep.get("ranks") or {}).get("each") or []) + ")"
 
 
 def joined(dry_run: bool = False) -> Any:

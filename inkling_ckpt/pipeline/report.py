@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from ..units import fmt_bytes, ranks_phrase
 from .executor import RankStats
 
 
@@ -50,22 +51,11 @@ class Result:
                 f"(read {gb(self.bytes_read)}, wrote {gb(self.bytes_written)}, {rate:.0f} MB/s")
         if self.resumed:
             line += f"; the resume reused {gb(self.bytes_reused)}"
-        if len(self.ranks) > 1:
-            line += f"; {len(self.ranks)} ranks"
-        if self.ranks:
-            line += f"; {self.ranks[0]['device']}"
-            gpu = max(r.get("peak_gpu_bytes", 0) for r in self.ranks)
-            if gpu:
-                line += f", peak GPU memory {gb(gpu)}"
-        return line + ")"
+        return line + ranks_phrase(self.ranks) + ")"
 
 
-def gb(n: float) -> str:
-    """Bytes in decimal units (the one convention of the human-readable output)."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+#: Sizes in the closing line: the toolkit's one convention (decimal units), under the pipeline's short name.
+gb = fmt_bytes
 
 
 __all__ = ["Result", "gb"]

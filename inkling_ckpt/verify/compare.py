@@ -76,7 +76,7 @@ from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
-from ..units import fmt_bytes
+from ..units import fmt_bytes, ranks_phrase
 from ..pipeline import Executor, Options, Unit, all_ok, assign, gather, release_units
 
 SCHEMA = "inkling-ckpt/verify/1"
@@ -572,15 +572,7 @@ def _run_line(rep: dict[str, Any]) -> list[str]:
         return []
     secs, read = rep["seconds"], rep["bytes_read"]
     line = f"read {fmt_bytes(read)} in {secs:.1f} s ({read / secs / 1e6 if secs > 0 else 0.0:.0f} MB/s"
-    each = rep.get("ranks", {}).get("each") or []
-    if len(each) > 1:
-        line += f"; {len(each)} ranks"
-    if each:
-        line += f"; {each[0]['device']}"
-        gpu = max(r.get("peak_gpu_bytes", 0) for r in each)
-        if gpu:
-            line += f", peak GPU memory {fmt_bytes(gpu)}"
-    return [line + ")"]
+    return [line + ranks_phrase(rep.get("ranks", {}).get("each") or []) + ")"]
 
 
 def render_report(rep: dict[str, Any], top: int = 15) -> str:
