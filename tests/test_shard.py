@@ -496,3 +496,41 @@ def test_two_ranks_shard_and_merge_the_one_process_bytes(tiny_release, cli, tmp_
     assert "; 2 ranks;" in r.stdout
     for rep in json.loads(r.stdout.split("RESULT ", 1)[1]):
         assert rep["ranks"]["count"] == 2 and all(each["bytes_written"] > 0 for each in rep["ranks"]["each"]), rep
+
+
+def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():
+    """shard hashes its source on one background thread: steps run in the order given, the writing
+    thread waits once more than ``limit`` bytes of blocks are queued, and a failing step is raised
+    at the writing thread (at a later hand-over or at settle), never lost."""
+    import threading
+
+    from inkling_ckpt.layouts.sharded import _HashLane
+
+    gate = threading.Event()
+    seen: list[int] = []
+    lane = _HashLane(limit=100)
+
+    def step(i: int) -> None:
+        gate.wait(5)
+        seen.append(i)
+
+    try:
+        for i in range(3):
+            lane.submit(40, step, i)  # 120 > 100 after the third: that hand-over must wait for the first
+            if i < 2:  # nothing has run yet: the gate is shut
+                assert lane.held == 40 * (i + 1)
+            if i == 1:
+                gate.set()
+        assert lane.held <= 100 and seen[:1] == [0]
+        lane.settle()
+        assert seen == [0, 1, 2] and lane.held == 0
+
+        def boom() -> None:
+            raise CheckpointError("cannot read")
+
+        lane.submit(0, boom)
+        with pytest.raises(CheckpointError, match="cannot read"):
+            lane.settle()
+    finally:
+        gate.set()
+        lane.close()

@@ -37,10 +37,11 @@ import os
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
@@ -168,6 +169,37 @@ class _Hasher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
+class _HashLane:
+    """One background thread running hash steps in the order given (a source file's sha256 must see
+    its bytes in order), holding at most ``limit`` bytes of blocks waiting for it: the writing
+    thread hands a block over and goes on writing instead of hashing it itself."""
+
+    def __init__(self, limit: int = 512 << 20):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-hash")
+        self.limit = limit
+        self.pending: deque[tuple[Future[None], int]] = deque()
+        self.held = 0
+
+    def submit(self, nbytes: int, fn: Callable[..., None], *args: Any) -> None:
+        """Queue ``fn(*args)``, which holds ``nbytes`` of blocks until it has run."""
+        self.pending.append((self.pool.submit(fn, *args), nbytes))
+        self.held += nbytes
+        while self.held > self.limit or (self.pending and self.pending[0][0].done()):
+            fut, n = self.pending.popleft()
+            fut.result()  # a failure surfaces here, at the writing thread
+            self.held -= n
+
+    def settle(self) -> None:
+        """Wait for every queued step; raise the first failure."""
+        while self.pending:
+            fut, n = self.pending.popleft()
+            fut.result()
+            self.held -= n
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 class _RankStaging:
     """A rank's sub-folder of the job's staging folder, shaped like :class:`Staging` for HFWriter."""
 
@@ -265,23 +297,28 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
             source_info: dict[str, dict[str, Any]] = {}
             hashes: dict[str, Any] = {}  # source file -> [sha256, position hashed up to], for the files this process hashes
 
-            def sink(unit: Unit, block: torch.Tensor | None) -> None:
-                s: _ShardStep = unit.data
+            lane = _HashLane()  # the source's sha256, off the writing thread, in the order of its bytes
+
+            def hash_step(s: _ShardStep, block: torch.Tensor | None) -> None:
                 f = s.file
                 header = headers[f]
-                if hasher_of[f] == me:
-                    if f not in hashes:
-                        hashes[f] = _shard_file(ckpt, f, header)
-                    h = hashes[f]
-                    if s.kind == "end":
-                        _hash_to(ckpt.root / f, h, None)
-                        source_info[f] = {"bytes": (ckpt.root / f).stat().st_size, "sha256": h[0].hexdigest()}
-                        return
-                    if s.lo == 0:  # bytes between tensors (not written by our writers, kept by the hash)
-                        _hash_to(ckpt.root / f, h, header.data_start + header.entries[s.tensor][2])
-                    if block is not None:
-                        h[0].update(memoryview(block.reshape(-1).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
-                        h[1] += block.numel()
+                if f not in hashes:
+                    hashes[f] = _shard_file(ckpt, f, header)
+                h = hashes[f]
+                if s.kind == "end":
+                    _hash_to(ckpt.root / f, h, None)
+                    source_info[f] = {"bytes": (ckpt.root / f).stat().st_size, "sha256": h[0].hexdigest()}
+                    return
+                if s.lo == 0:  # bytes between tensors (not written by our writers, kept by the hash)
+                    _hash_to(ckpt.root / f, h, header.data_start + header.entries[s.tensor][2])
+                if block is not None:
+                    h[0].update(memoryview(block.reshape(-1).numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+                    h[1] += block.numel()
+
+            def sink(unit: Unit, block: torch.Tensor | None) -> None:
+                s: _ShardStep = unit.data
+                if hasher_of[s.file] == me:
+                    lane.submit(0 if block is None else block.numel(), hash_step, s, block)
                 if s.kind == "end":
                     return
                 p = by_name[s.tensor]
@@ -293,7 +330,9 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
 
             try:
                 ex.run(todo, transform, sink)
+                lane.settle()
             finally:
+                lane.close()
                 for w in writers.values():
                     w.abort()
             for r, w in writers.items():
