@@ -499,16 +499,16 @@ def test_two_ranks_shard_and_merge_the_one_process_bytes(tiny_release, cli, tmp_
 
 
 def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():
-    """shard hashes its source on one background thread: steps run in the order given, the writing
+    """shard hashes its source on one background lane (layouts.lane, which the writers' fsyncs use too): steps run in the order given, the writing
     thread waits once more than ``limit`` bytes of blocks are queued, and a failing step is raised
     at the writing thread (at a later hand-over or at settle), never lost."""
     import threading
 
-    from inkling_ckpt.layouts.sharded import _HashLane
+    from inkling_ckpt.layouts.lane import Lane
 
     gate = threading.Event()
     seen: list[int] = []
-    lane = _HashLane(limit=100)
+    lane = Lane("test-hash", hold_limit=100)
 
     def step(i: int) -> None:
         gate.wait(5)
@@ -516,7 +516,7 @@ def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():
 
     try:
         for i in range(3):
-            lane.submit(40, step, i)  # 120 > 100 after the third: that hand-over must wait for the first
+            lane.submit(step, i, hold=40)  # 120 > 100 after the third: that hand-over must wait for the first
             if i < 2:  # nothing has run yet: the gate is shut
                 assert lane.held == 40 * (i + 1)
             if i == 1:
@@ -528,7 +528,7 @@ def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():
         def boom() -> None:
             raise CheckpointError("cannot read")
 
-        lane.submit(0, boom)
+        lane.submit(boom)
         with pytest.raises(CheckpointError, match="cannot read"):
             lane.settle()
     finally:

@@ -14,11 +14,10 @@ import os
 import re
 import struct
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterable, Mapping, Protocol, Sequence
+from typing import Any, BinaryIO, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from huggingface_hub import split_state_dict_into_shards_factory
@@ -29,6 +28,7 @@ from ..model.config import InklingConfig, read_json
 from ..model.inventory import FLOAT_DTYPES, Category, Scope, TensorSpec, detect_plan, inventory, is_vision, match_name, nbytes
 from ..model.precision import PrecisionPlan
 from ..model.quant_config import check_quant_config
+from .lane import Lane
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_name, check_regular, copy_new, inside, open_regular, pass_through
 from .hub import hub_access, resolve_source, split_repo_id
@@ -433,8 +433,7 @@ class HFWriter:
         self._since_checkpoint = 0
         # Making pieces durable (fdatasync, then their list) and finishing shards (fsync, rename) run
         # on one background thread, in order, so writing never stops while the disk catches up.
-        self._syncer: ThreadPoolExecutor | None = None
-        self._syncs: list[Future[None]] = []
+        self._lane = Lane("inkling-fsync")
         for f, shard in self.shards.items():
             if self.owner[f] != rank:
                 shard.remaining.clear()  # another rank's file
@@ -530,7 +529,7 @@ class HFWriter:
             fh.close()
             shard.fh = None
             shard.journal.clear()
-            self._background(self._complete, shard)
+            self._lane.submit(self._complete, shard)
         elif self._since_checkpoint >= CHECKPOINT_BYTES:
             self.checkpoint()
 
@@ -539,28 +538,6 @@ class HFWriter:
         pieces = self._pieces_path(shard)
         if pieces.exists():
             pieces.unlink()
-
-    def _background(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn`` on the syncing thread after what was handed to it before; a failure there
-        is raised here, at the next hand-over, or at :meth:`close`."""
-        for fut in self._syncs:
-            if fut.done() and fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
-        self._syncs = [f for f in self._syncs if not f.done()]
-        if self._syncer is None:
-            self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-fsync")
-        self._syncs.append(self._syncer.submit(fn, *args))
-
-    def _settle(self, *, raise_errors: bool = True) -> None:
-        """Wait for the syncing thread's work; raise its first failure."""
-        failed = [e for e in (f.exception() for f in self._syncs) if e is not None]
-        if raise_errors and failed:
-            raise failed[0]
-        if not failed:
-            self._syncs = []
-            if self._syncer is not None:
-                self._syncer.shutdown()
-                self._syncer = None
 
     def _done_rows(self, shard: _Shard, name: str, start: int, rows: int) -> None:
         spec = self.specs[name]
@@ -586,7 +563,7 @@ class HFWriter:
             fd = os.dup(shard.fh.fileno())
             lines = "".join(line + "\n" for line in shard.journal)
             shard.journal.clear()
-            self._background(self._sync_pieces, fd, self._pieces_path(shard), lines)
+            self._lane.submit(self._sync_pieces, fd, self._pieces_path(shard), lines)
         self._since_checkpoint = 0
 
     @staticmethod
@@ -632,7 +609,8 @@ class HFWriter:
 
     def close(self, *, index: bool | None = None) -> None:
         """Check this rank wrote everything it owns; write the index (rank 0 by default)."""
-        self._settle()
+        self._lane.settle()  # a failure there (fsync, rename) is this writer's failure
+        self._lane.close()
         left = self.pending()
         if left:
             raise CheckpointError(f"writer: {len(left)} planned tensors were never written (first: {left[0]})")
@@ -653,7 +631,7 @@ class HFWriter:
         except OSError:
             pass
         try:
-            self._settle(raise_errors=False)  # what was handed to the syncing thread reaches the disk first
+            self._lane.settle(raise_errors=False)  # what was handed to the syncing thread reaches the disk first
         finally:
             for shard in self.shards.values():
                 if shard.fh is not None:

@@ -51,7 +51,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import Future as ThreadFuture, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
@@ -76,6 +76,7 @@ from torch.futures import Future
 from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
+from .lane import Lane
 from .megatron_names import COMMON, DCP_METADATA, METADATA_JSON, RELEASE, TRACKER  # re-exported
 
 
@@ -299,7 +300,7 @@ class _UnitWriter(FileSystemWriter):
         done: dict[int, list[WriteResult]] = {}
         stream: list[tuple[int, WriteItem]] = []
         for unit in sorted(by_unit):
-            name = f"__{unit}_0.distcp"
+            name = _unit_file(unit)
             old = _read_sidecar(root / UNITS_DIR / f"{unit}.json", name, by_unit[unit])
             if old is not None and (root / name).is_file() and (root / (name + SUMS_SUFFIX)).is_file():
                 self.units_resumed += 1
@@ -322,41 +323,39 @@ class _UnitWriter(FileSystemWriter):
                     torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
             return blob
 
-        finishing: list[ThreadFuture[None]] = []
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-fsync") as syncer:
-            f: Any = None
-            current = -1
-            results: list[WriteResult] = []
-            sums: list[str] = []
-            try:
-                for (unit, wi), blob in self._map(stream, build):
-                    if unit != current:
-                        if f is not None:
-                            finishing.append(syncer.submit(self._finish_unit, f, current, results, sums))
-                            f = None
-                        current, results, sums = unit, [], []
-                        done[unit] = results
-                        f = open(root / f"__{unit}_0.distcp.partial", "wb")
-                    start = f.tell()
-                    for part in blob.parts:
-                        f.write(part)
-                    length = f.tell() - start
-                    sums.append(f"{start} {length} {blob.hexdigest()}\n")
-                    results.append(WriteResult(index=wi.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(f"__{unit}_0.distcp", start, length)))
-                    if blob.tensor_bytes:
-                        self._on_written(blob.tensor_bytes, unit, False)
-                    del blob
-                if f is not None:
-                    finishing.append(syncer.submit(self._finish_unit, f, current, results, sums))
-                    f = None
-            finally:
-                if f is not None:
-                    f.close()
-                # Every file handed to the syncer is settled before returning (or raising).
-                failed = [e for e in (fut.exception() for fut in finishing) if e is not None]
-        if failed:
-            raise failed[0]
+        syncer = Lane("inkling-fsync")
+        f: Any = None
+        current = -1
+        results: list[WriteResult] = []
+        sums: list[str] = []
+        try:
+            for (unit, wi), blob in self._map(stream, build):
+                if unit != current:
+                    if f is not None:
+                        g, f = f, None  # the syncer's from here on (it closes it)
+                        syncer.submit(self._finish_unit, g, current, results, sums)
+                    current, results, sums = unit, [], []
+                    done[unit] = results
+                    f = open(root / _unit_file(unit, ".partial"), "wb")
+                start = f.tell()
+                for part in blob.parts:
+                    f.write(part)
+                length = f.tell() - start
+                sums.append(f"{start} {length} {blob.hexdigest()}\n")
+                results.append(WriteResult(index=wi.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(_unit_file(unit), start, length)))
+                if blob.tensor_bytes:
+                    self._on_written(blob.tensor_bytes, unit, False)
+                del blob
+            if f is not None:
+                g, f = f, None
+                syncer.submit(self._finish_unit, g, current, results, sums)
+        finally:
+            if f is not None:
+                f.close()
+            syncer.settle(raise_errors=False)  # every file handed over is settled before returning or raising
+            syncer.close()
+        syncer.settle()
         out = [r for unit in sorted(done) for r in done[unit]]
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(out)
@@ -365,7 +364,7 @@ class _UnitWriter(FileSystemWriter):
     def _finish_unit(self, f: Any, unit: int, results: list[WriteResult], sums: list[str]) -> None:
         """A unit's file is complete: to disk, published under its name, then its checksums and resume record."""
         root = Path(self.path)
-        name = f"__{unit}_0.distcp"
+        name = _unit_file(unit)
         try:
             f.flush()
             os.fsync(f.fileno())
@@ -382,6 +381,11 @@ class _UnitWriter(FileSystemWriter):
             [r.index.fqn, list(r.index.offset) if r.index.offset is not None else None,
              r.storage_data.offset, r.storage_data.length] for r in results]}))
         os.replace(tmp, sidecar)
+
+
+def _unit_file(unit: int, suffix: str = "") -> str:
+    """The data file of a conversion unit (the name depends on the unit, never on the rank)."""
+    return f"__{unit}_0.distcp{suffix}"
 
 
 class _Blob:

@@ -37,11 +37,10 @@ import os
 import struct
 import threading
 import time
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import torch
 
@@ -54,6 +53,7 @@ from ..plan import Cut, Placement, ShardPlan
 from ..plan.rules import EXPERT_PARTS, SPLITS
 from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
+from .lane import Lane
 from .paths import check_name, copy_new, inside, open_regular, pass_through
 
 MANIFEST = "inkling-shard.json"
@@ -62,6 +62,7 @@ VERSION = 2  # 2: release layout (stacked experts, 'inner' moe-TP cuts, local sh
 SOURCE_DIR = "source"
 HEADERS_DIR = f"{SOURCE_DIR}/headers"
 _HASH_CHUNK = 16 << 20
+HASH_HOLD_BYTES = 512 << 20  # blocks waiting for the source hash, at most
 #: Tensors move in blocks of dim-0 rows of about this size (at least one row): one expert of a
 #: stacked [E, 2F, H] tensor is 21 MB in MXFP8 on the full model, the whole layer 8 GB.
 CHUNK_BYTES = 64 << 20
@@ -169,37 +170,6 @@ class _Hasher:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _HashLane:
-    """One background thread running hash steps in the order given (a source file's sha256 must see
-    its bytes in order), holding at most ``limit`` bytes of blocks waiting for it: the writing
-    thread hands a block over and goes on writing instead of hashing it itself."""
-
-    def __init__(self, limit: int = 512 << 20):
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inkling-hash")
-        self.limit = limit
-        self.pending: deque[tuple[Future[None], int]] = deque()
-        self.held = 0
-
-    def submit(self, nbytes: int, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(*args)``, which holds ``nbytes`` of blocks until it has run."""
-        self.pending.append((self.pool.submit(fn, *args), nbytes))
-        self.held += nbytes
-        while self.held > self.limit or (self.pending and self.pending[0][0].done()):
-            fut, n = self.pending.popleft()
-            fut.result()  # a failure surfaces here, at the writing thread
-            self.held -= n
-
-    def settle(self) -> None:
-        """Wait for every queued step; raise the first failure."""
-        while self.pending:
-            fut, n = self.pending.popleft()
-            fut.result()
-            self.held -= n
-
-    def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
 class _RankStaging:
     """A rank's sub-folder of the job's staging folder, shaped like :class:`Staging` for HFWriter."""
 
@@ -297,7 +267,8 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
             source_info: dict[str, dict[str, Any]] = {}
             hashes: dict[str, Any] = {}  # source file -> [sha256, position hashed up to], for the files this process hashes
 
-            lane = _HashLane()  # the source's sha256, off the writing thread, in the order of its bytes
+            # the source's sha256, off the writing thread, in the order of its bytes
+            lane = Lane("inkling-hash", hold_limit=HASH_HOLD_BYTES)
 
             def hash_step(s: _ShardStep, block: torch.Tensor | None) -> None:
                 f = s.file
@@ -318,7 +289,7 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
             def sink(unit: Unit, block: torch.Tensor | None) -> None:
                 s: _ShardStep = unit.data
                 if hasher_of[s.file] == me:
-                    lane.submit(0 if block is None else block.numel(), hash_step, s, block)
+                    lane.submit(hash_step, s, block, hold=0 if block is None else block.numel())
                 if s.kind == "end":
                     return
                 p = by_name[s.tensor]
@@ -332,7 +303,7 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
                 ex.run(todo, transform, sink)
                 lane.settle()
             finally:
-                lane.close()
+                lane.close(cancel=True)
                 for w in writers.values():
                     w.abort()
             for r, w in writers.items():
