@@ -84,6 +84,13 @@ def one_line(text: str) -> str:
     return "".join(repr(c)[1:-1] if (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else c for c in text)
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write: under torchrun every rank may fail at once into the same
+    stream, and print's separate write of the newline let two ranks' lines run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
     _register()
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     except InklingError as e:
         if verbosity() >= 2:
             traceback.print_exc()
-        print(f"inkling-ckpt: error: {one_line(str(e))}", file=sys.stderr)
+        _say(f"inkling-ckpt: error: {one_line(str(e))}")
         sys.exit(e.exit_code)
     except typer.TyperException as e:  # a usage error: unknown option, bad choice, missing argument
         if type(e).__name__ == "NoArgsIsHelpError":  # a bare group (`inkling-ckpt convert`): its help
@@ -102,10 +109,10 @@ def main(argv: list[str] | None = None) -> None:
             message = " ".join(e.format_message().replace("Value error, ", "").split())
             ctx = getattr(e, "ctx", None)
             where = f" (see {ctx.command_path} --help)" if ctx is not None else ""
-            print(f"inkling-ckpt: error: {one_line(message.rstrip('.'))}{where}", file=sys.stderr)
+            _say(f"inkling-ckpt: error: {one_line(message.rstrip('.'))}{where}")
         sys.exit(getattr(e, "exit_code", 2))
     except (KeyboardInterrupt, typer.Abort):
-        print("inkling-ckpt: interrupted; rerun the same command to resume", file=sys.stderr)
+        _say("inkling-ckpt: interrupted; rerun the same command to resume")
         sys.exit(130)
     if isinstance(code, int) and code:
         sys.exit(code)
