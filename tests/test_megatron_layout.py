@@ -233,3 +233,54 @@ def test_common_pt_as_megatron_writes_it_loads_without_megatron(tmp_path):
     # An inert stand-in, or (where a test already imported megatron-core, whose enum torch's weights-only
     # loader then resolves itself) the plain Enum member: either way no Megatron code runs.
     assert type(ckpt.common["args"].model_type).__name__ in ("_MegatronValue", "ModelType")
+
+
+@pytest.mark.parametrize("name", ["bf16", "strided", "offset", "transposed", "float8", "scalar", "empty"])
+def test_a_chunk_read_at_once_keeps_its_values_where_they_were_read(name):
+    """The one-read path loads a blob's tensor in place (no second copy of a checkpoint's bytes):
+    the same tensor as ``torch.load`` (values, strides, storage offset), its values inside the
+    buffer read; a blob of anything else loads the usual way."""
+    import io
+
+    from inkling_ckpt.layouts.megatron import _load_in_place
+
+    g = torch.Generator().manual_seed(3)
+    x = {"bf16": torch.randn(5, 7, generator=g).bfloat16(), "strided": torch.randn(64, 3, generator=g)[::2],
+         "offset": torch.arange(100.0)[10:30].view(4, 5), "transposed": torch.randn(3, 4, generator=g).t(),
+         "float8": torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn), "scalar": torch.tensor(3.5),
+         "empty": torch.empty(0, 5)}[name]
+    saved = io.BytesIO()
+    torch.save(x, saved)
+    buf = torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8)
+    y = _load_in_place(buf, tuple(x.shape), x.dtype, name)
+    ref = torch.load(io.BytesIO(saved.getvalue()), weights_only=True)
+    assert (y.dtype, y.shape, y.stride()) == (ref.dtype, ref.shape, ref.stride())
+    assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)) if x.dtype.itemsize == 1 else torch.equal(y, ref)
+    if x.numel():
+        assert buf.data_ptr() <= y.data_ptr() < buf.data_ptr() + buf.numel()
+    # What the metadata does not describe (another shape) or a blob of another object: a plain load.
+    assert _load_in_place(buf, (1, 2, 3), x.dtype, name).shape == x.shape
+    saved = io.BytesIO()
+    torch.save({"a": 1}, saved)
+    assert _load_in_place(torch.frombuffer(bytearray(saved.getvalue()), dtype=torch.uint8), (1,), x.dtype, name) == {"a": 1}
+
+
+def test_a_blob_serialized_by_a_worker_keeps_the_tensor_uncopied():
+    """The writer's in-memory blob: the bytes and sha256 of ``torch.save`` exactly, with the tensor's
+    storage held as a view of it rather than copied (small pieces, which torch reuses, are copied)."""
+    import hashlib
+    import io
+
+    from inkling_ckpt.layouts.megatron import _Blob, _address, _no_crc32
+
+    x = torch.randn(300, 70).bfloat16()
+    blob = _Blob(x)
+    want = io.BytesIO()
+    with _no_crc32():
+        torch.save(x, blob)  # type: ignore[arg-type]
+        torch.save(x, want)
+    assert b"".join(bytes(p) for p in blob.parts) == want.getvalue()
+    assert blob.hexdigest() == hashlib.sha256(want.getvalue()).hexdigest()
+    views = [p for p in blob.parts if isinstance(p, memoryview)]
+    assert len(views) == 1 and _address(views[0]) == x.data_ptr() and views[0].nbytes == x.nbytes
+    assert blob.tensor_bytes == x.nbytes

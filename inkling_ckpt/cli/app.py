@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import traceback
 from typing import Any, Callable, Optional, Sequence
@@ -91,8 +92,19 @@ def _say(line: str) -> None:
     sys.stderr.flush()
 
 
+def _huge_pages() -> None:
+    """Let torch back its large CPU buffers with transparent huge pages (``THP_MEM_ALLOC_ENABLE``;
+    torch reads it once, at its first allocation, so only a process that has not imported torch
+    yet can set it; a user's own setting wins). Every slice a command moves lands in fresh memory,
+    and first touching it page by page ran at 1.1-1.9 GB/s on the machines measured, 4.5-4.8 GB/s
+    in huge pages (a device-to-host copy into it: 1.3 -> 3.0 GB/s on the H200 machine)."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    _huge_pages()
     _register()
     setup(0)  # each run starts quiet (in-process callers run several)
     try:

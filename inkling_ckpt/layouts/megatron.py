@@ -55,6 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -315,7 +316,7 @@ class _UnitWriter(FileSystemWriter):
 
         def build(entry: tuple[int, WriteItem]) -> _Blob:
             data = planner.resolve_data(entry[1])
-            blob = _Blob(0 if isinstance(data, io.BytesIO) else data.nbytes)
+            blob = _Blob(None if isinstance(data, io.BytesIO) else data)
             if isinstance(data, io.BytesIO):
                 blob.write(data.getbuffer())
             else:
@@ -391,26 +392,43 @@ def _unit_file(unit: int, suffix: str = "") -> str:
 class _Blob:
     """One item serialized in memory (by a worker), with its sha256: the writing thread only copies it out.
 
-    ``torch.save`` writes through ``write``; each piece is copied (the zip writer hands views
-    of the tensor's memory) and hashed as it arrives.
+    ``torch.save`` writes through ``write``: small pieces (zip headers, the pickle) are copied,
+    since the writer reuses their memory; the one piece that is ``values``' own storage is kept
+    as a view of it (copying each tensor once more cost as much as the write itself). Every
+    piece is hashed as it arrives.
     """
 
-    def __init__(self, tensor_bytes: int):
-        self.tensor_bytes = tensor_bytes
-        self.parts: list[bytes] = []
+    def __init__(self, values: torch.Tensor | None = None):
+        self.tensor_bytes = 0 if values is None else values.nbytes
+        self.parts: list[Any] = []
         self._h = hashlib.sha256()
+        self._storage: tuple[int, int, memoryview] | None = None
+        if values is not None and values.device.type == "cpu" and values.untyped_storage().nbytes():
+            st = values.untyped_storage()
+            raw = torch.empty(0, dtype=torch.uint8).set_(st)  # the whole storage, as torch.save writes it
+            self._storage = (st.data_ptr(), st.nbytes(), memoryview(raw.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
 
     def write(self, b: Any) -> int:
-        data = bytes(b)
+        view = memoryview(b)
+        n = view.nbytes
+        if self._storage is not None and n == self._storage[1] and _address(view) == self._storage[0]:
+            data: Any = self._storage[2]
+        else:
+            data = bytes(view)
         self._h.update(data)
         self.parts.append(data)
-        return len(data)
+        return n
 
     def flush(self) -> None:
         pass
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+
+def _address(view: memoryview) -> int:
+    """Where a (possibly read-only) buffer's bytes start in memory."""
+    return int(np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]) if view.nbytes else 0
 
 
 def _read_sums(folder: Path) -> dict[tuple[str, int, int], str]:
@@ -792,6 +810,53 @@ class _Slice(io.RawIOBase):
         return got
 
 
+class _Memory(io.RawIOBase):
+    """A read-only file over a buffer (torch.load and zipfile read a blob already in memory through it, uncopied)."""
+
+    def __init__(self, buf: memoryview):
+        self._buf, self._pos = buf, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._buf) + pos
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), len(self._buf) - self._pos))
+        memoryview(b)[:n] = self._buf[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+def _load_in_place(buf: torch.Tensor, shape: tuple[int, ...] | None, dtype: torch.dtype, what: str) -> Any:
+    """What the ``torch.save`` blob in ``buf`` (uint8, CPU) holds; a tensor of ``shape`` and ``dtype``
+    keeps its values where they are in ``buf``.
+
+    Loading copies a tensor's bytes into fresh memory: at the size of a checkpoint that copy and
+    the page faults of the new memory cost about as much as reading it. The blob's pickle is still
+    read by the weights-only loader (on the meta device) and its one record found through the zip
+    directory (:func:`_blob_layout`); any other blob (or a shape the metadata does not give) is
+    loaded the usual way.
+    """
+    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+    lay = None if shape is None else _blob_layout(_Memory(view), Path(what), 0, len(view), shape, dtype, what)
+    if lay is None or shape is None:
+        return _safe_load(io.BytesIO(view.tobytes()), what)
+    if any(n == 0 for n in shape):
+        return torch.empty(shape, dtype=dtype)
+    count = lay.storage_offset + sum((n - 1) * x for n, x in zip(shape, lay.strides, strict=True)) + 1
+    values = torch.frombuffer(view[lay.start:lay.start + count * lay.itemsize], dtype=dtype)
+    return values.as_strided(shape, lay.strides, lay.storage_offset)
+
+
 class _MegatronValue:
     """Stand-in for a Megatron class inside ``common.pt`` (run args, enums): keeps its state only."""
 
@@ -1110,18 +1175,21 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
         path = self.folder / info.relative_path
         what = f"{path}: chunk of {key}"
+        sizes = dict(st.chunks).get(offsets)
         try:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
                 if info.length <= ONE_READ_BYTES:
                     # One read serves the checksum and the load (reading the blob twice cost a third of
-                    # megatron-to-hf's reading); BytesIO shares the bytes object instead of copying it.
-                    raw = os.pread(f.fileno(), info.length, info.offset)
-                    if len(raw) != info.length:
+                    # megatron-to-hf's reading); the tensor's values stay where they were read.
+                    raw = torch.empty(info.length, dtype=torch.uint8)
+                    f.seek(info.offset)
+                    if f.readinto(memoryview(raw.numpy())) != info.length:  # type: ignore[arg-type]  # see _load_in_place
                         raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
-                    self._verify(path, info, key, hashlib.sha256(raw).hexdigest() if self._sums else None)
-                    t = _safe_load(io.BytesIO(raw), what)
+                    self._verify(path, info, key, hashlib.sha256(memoryview(raw.numpy())).hexdigest()  # type: ignore[arg-type]  # see _load_in_place
+                                 if self._sums else None)
+                    t = _load_in_place(raw, sizes, st.dtype, what)
                     del raw
                 else:  # a huge blob: checked by streaming it, then loaded straight from the file
                     self._verify(path, info, key)
@@ -1130,7 +1198,6 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"{what} at {offsets} is not a tensor")
-        sizes = dict(st.chunks).get(offsets)
         if sizes is None or tuple(t.shape) != sizes or t.dtype != st.dtype:
             raise CheckpointError(f"{what} at {offsets} is {t.dtype} {list(t.shape)}, "
                                   f".metadata says {st.dtype} {list(sizes or ())}")
