@@ -96,8 +96,9 @@ def test_ranks_on_one_node_split_its_cores():
     assert share_cores(2, 4, 0, "cpu") == (1, 1)  # never below one
     assert share_cores(16, 2, 3, "cpu") == (3, 2)  # --workers kept, threads from the rank's share
     assert share_cores(16, 2, 16, "cpu") == (16, 1)
-    assert share_cores(16, 1, 0, "cuda") == (4, 1)  # the host side of slices in flight, as on the CPU
-    assert share_cores(16, 2, 0, "cuda") == (4, 1)
+    assert share_cores(16, 1, 0, "cuda") == (8, 1)  # the host side of slices in flight: more than on the CPU
+    assert share_cores(16, 2, 0, "cuda") == (8, 1)
+    assert share_cores(16, 4, 0, "cuda") == (4, 1)
     assert share_cores(2, 2, 0, "cuda") == (2, 1)  # at least 2 with a GPU: reading overlaps the device
     assert share_cores(16, 2, 5, "cuda") == (5, 1)
 

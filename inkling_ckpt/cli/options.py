@@ -106,7 +106,7 @@ SLICE_MB = typer.Option(64, "--slice-mb", min=1, metavar="MIB",
                         help="BF16 MiB of experts one unit handles (at least one expert): bounds host and GPU memory; "
                              "shrink it when the GPU runs out of memory.")
 WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
-                       help="Units transformed at once (0: on the CPU one per core, at most 4, 2 on a GPU). Under "
+                       help="Units transformed at once (0: one per core, at most 4 on the CPU and 8 on a GPU, at least 2 on a GPU). Under "
                             "torchrun the ranks on one node split its cores.")
 READ_PRESET = typer.Option(None, "--preset",
                            help="Megatron key layout of SRC: miles or bridge. Default: the one SRC records (inkling-ckpt "
