@@ -260,6 +260,23 @@ def test_help_and_import_do_not_load_torch():
     assert r.stdout.strip().splitlines()[-1] == "HEAVY []", r.stdout[-500:]
 
 
+@pytest.mark.parametrize("given", [None, "0"], ids=["default", "user-setting"])
+def test_the_cli_turns_on_torch_huge_pages_before_torch_loads(given):
+    """Every slice lands in fresh memory; torch reads THP_MEM_ALLOC_ENABLE once, at its first
+    allocation, so the CLI sets it before anything imports torch, and a user's own value wins."""
+    env = {k: v for k, v in subprocess_env().items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    probe = ("import os, sys\n"
+             "from inkling_ckpt.cli.app import main\n"
+             "try:\n    main(['inspect', sys.argv[1]])\nexcept SystemExit:\n    pass\n"
+             "print('THP', os.environ.get('THP_MEM_ALLOC_ENABLE'), 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", probe, str(TINY)], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == f"THP {given or '1'} True", r.stdout[-500:]
+
+
 # ---- the Python API ---------------------------------------------------------------------------------
 
 def test_api_is_lazy_and_every_job_is_there():
