@@ -810,27 +810,15 @@ class _Slice(io.RawIOBase):
         return got
 
 
-class _Memory(io.RawIOBase):
+class _Memory(_Slice):
     """A read-only file over a buffer (torch.load and zipfile read a blob already in memory through it, uncopied)."""
 
     def __init__(self, buf: memoryview):
-        self._buf, self._pos = buf, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else self._pos + pos if whence == 1 else len(self._buf) + pos
-        return self._pos
+        super().__init__(None, 0, len(buf))
+        self._buf = buf
 
     def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), len(self._buf) - self._pos))
+        n = max(0, min(len(b), self._len - self._pos))
         memoryview(b)[:n] = self._buf[self._pos:self._pos + n]
         self._pos += n
         return n
