@@ -216,3 +216,27 @@ def test_device_and_dtype_arguments_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(FormatError, match="CUDA is not available"):
             decode_stacked("nvfp4", encode_stacked("nvfp4", _w(), name="w"), device="cuda")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_unchanged_blocks_are_found_band_by_band_as_in_one_go(fmt, monkeypatch):
+    """The keep-bytes rule compares the decoded reference with the new values a band of rows at a
+    time on the CPU (bounded memory): the same blocks are taken from the reference as when the
+    whole slice is compared at once, whatever the band."""
+    from inkling_ckpt.convert import experts
+
+    ref = encode_stacked(fmt, _w(e=3, seed=5), name="w")
+    x = decode_stacked(fmt, ref, torch.bfloat16).clone()
+    x[0, 1, :16] += 1.0  # some blocks changed, the rest equal to the reference's values
+    x[2, 5:9, 32:48] *= 3
+    new = encode_stacked(fmt, x, name="w", amax=ref.get(AMAX))
+    monkeypatch.setattr(experts, "CHECK_BYTES", 1 << 40)
+    whole = experts.reuse_unchanged_blocks(fmt, x, new, ref)
+    for rows_at_once in (1, 3, 7):
+        monkeypatch.setattr(experts, "CHECK_BYTES", rows_at_once * 3 * x.shape[-1] * 2)
+        banded = experts.reuse_unchanged_blocks(fmt, x, new, ref)
+        for k in whole:
+            assert torch.equal(banded[k].reshape(-1).view(torch.uint8), whole[k].reshape(-1).view(torch.uint8)), \
+                (k, rows_at_once)
+    kept = whole[SCALE].view(torch.uint8) == ref[SCALE].view(torch.uint8)
+    assert bool(kept.any()) and not bool(kept.all())

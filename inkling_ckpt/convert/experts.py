@@ -115,18 +115,35 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.dtype.itemsize])
 
 
+#: Bytes of ``x`` compared at a time on the CPU: the decoded reference and the comparison are
+#: that size instead of the slice's (a worker of megatron-to-hf held ~190 MB, a third of it these).
+CHECK_BYTES = 8 << 20
+
+
 def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tensor],
                            ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``new`` with every block whose values equal the reference's decoded block taken from ``ref``.
 
     Blocks run along the last dimension, one ``_scale`` column each; a block's element bytes
     are the same share of a weight row. Per-expert factors are taken as they are in ``new`` (the
-    caller passes the reference's when keeping them).
+    caller passes the reference's when keeping them). On the CPU the reference is decoded and
+    compared a band of rows at a time (:data:`CHECK_BYTES`); on a device in one go (its memory
+    is bounded by the slice, and each decode call synchronizes once).
     """
-    decoded = decode_stacked(fmt, ref, x.dtype, allow_nonfinite=True)
     n, rows, nblocks = ref[SCALE].shape
     shape = (n, rows, nblocks, -1)
-    same = (_bits(decoded).reshape(shape) == _bits(x).reshape(shape)).all(-1)
+    row_bytes = max(1, n * x[0, 0].nbytes) if x.numel() else 1
+    step = rows if x.device.type != "cpu" else max(1, CHECK_BYTES // row_bytes)
+    bands = []
+    for r0 in range(0, max(rows, 1), step):
+        r1 = min(rows, r0 + step)
+        # Weight and block scales by rows (the per-expert factors apply to every row).
+        part = {k: (v[:, r0:r1].contiguous() if k in (WEIGHT, SCALE) else v) for k, v in ref.items()}
+        decoded = decode_stacked(fmt, part, x.dtype, allow_nonfinite=True)
+        band = (n, r1 - r0, nblocks, -1)
+        bands.append((_bits(decoded).reshape(band) == _bits(x[:, r0:r1]).reshape(band)).all(-1))
+        del decoded
+    same = bands[0] if len(bands) == 1 else torch.cat(bands, dim=1)
     if not bool(same.any()):
         return new
     out = dict(new)

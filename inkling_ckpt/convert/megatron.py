@@ -314,8 +314,9 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
         if isinstance(unit.data, tuple) and unit.data and isinstance(unit.data[0], ExpertStack):
             stack, a, b = unit.data
             e = by_hf[stack.name]
-            x = ex.to_device(reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:])))
-            got = to_host(encoder.encode(stack, a, m.to_hf(e.key, x)))
+            # One expression: the stored slice is freed once reordered to the HF layout (a copy).
+            w = m.to_hf(e.key, ex.to_device(reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
+            got = to_host(encoder.encode(stack, a, w))
             return {stack.name + k: v for k, v in got.items()}
         out: dict[str, torch.Tensor] = {}
         for name, a, b in unit.pieces:
