@@ -130,5 +130,30 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(code)
 
 
+def console() -> None:
+    """The ``inkling-ckpt`` executable: :func:`main`, then a prompt exit with its status.
+
+    When a command returns, what it wrote is closed, synced and published (its process group
+    too); what is left is the interpreter tearing down ~2000 modules and torch's libraries,
+    0.7-1.3 s on the 2-core box (1.3 s of a 13.6 s hf-to-megatron), longer with CUDA loaded, and
+    paid by every rank. The process leaves at once instead, after flushing its streams. An
+    unexpected exception (a bug) goes the usual way, traceback and all.
+    """
+    try:
+        main()
+        code: Any = 0
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        _say(str(code))  # what Python does with sys.exit("message")
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe (`| head`): nothing more can reach it
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    main()
+    console()
