@@ -240,3 +240,9 @@ def test_unchanged_blocks_are_found_band_by_band_as_in_one_go(fmt, monkeypatch):
                 (k, rows_at_once)
     kept = whole[SCALE].view(torch.uint8) == ref[SCALE].view(torch.uint8)
     assert bool(kept.any()) and not bool(kept.all())
+    # Nothing changed (a round trip): the reference's bytes, in tensors of their own.
+    values = decode_stacked(fmt, ref, torch.bfloat16)
+    again = experts.reuse_unchanged_blocks(fmt, values, encode_stacked(fmt, values, name="w", amax=ref.get(AMAX)), ref)
+    for k in (WEIGHT, SCALE):
+        assert torch.equal(again[k].view(torch.uint8), ref[k].view(torch.uint8)), k
+        assert again[k].data_ptr() != ref[k].data_ptr()

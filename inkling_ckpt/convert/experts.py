@@ -120,6 +120,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 CHECK_BYTES = 8 << 20
 
 
+def _as_blocks(nblocks: int, *ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each of ``ts`` [..., nblocks * k] as [..., nblocks, words]: a block's bytes as the widest
+    integers (at most 8 bytes) that divide them in every tensor, so comparing or picking whole
+    blocks touches 2-8x fewer elements than element by element (the same bits either way)."""
+    for width, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
+        if all((t.shape[-1] * t.element_size()) % (nblocks * width) == 0 for t in ts):
+            try:
+                return tuple(t.view(dtype).reshape(*t.shape[:-1], nblocks, -1) for t in ts)
+            except RuntimeError:  # strides or offset not a multiple of the width
+                continue
+    return tuple(t.view(torch.uint8).reshape(*t.shape[:-1], nblocks, -1) for t in ts)
+
+
 def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tensor],
                            ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``new`` with every block whose values equal the reference's decoded block taken from ``ref``.
@@ -131,7 +144,6 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
     is bounded by the slice, and each decode call synchronizes once).
     """
     n, rows, nblocks = ref[SCALE].shape
-    shape = (n, rows, nblocks, -1)
     row_bytes = max(1, n * x[0, 0].nbytes) if x.numel() else 1
     step = rows if x.device.type != "cpu" else max(1, CHECK_BYTES // row_bytes)
     bands = []
@@ -139,17 +151,20 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
         r1 = min(rows, r0 + step)
         # Weight and block scales by rows (the per-expert factors apply to every row).
         part = {k: (v[:, r0:r1].contiguous() if k in (WEIGHT, SCALE) else v) for k, v in ref.items()}
-        decoded = decode_stacked(fmt, part, x.dtype, allow_nonfinite=True)
-        band = (n, r1 - r0, nblocks, -1)
-        bands.append((_bits(decoded).reshape(band) == _bits(x[:, r0:r1]).reshape(band)).all(-1))
-        del decoded
+        decoded, values = _as_blocks(nblocks, decode_stacked(fmt, part, x.dtype, allow_nonfinite=True), x[:, r0:r1])
+        bands.append((decoded == values).all(-1))
+        del decoded, values
     same = bands[0] if len(bands) == 1 else torch.cat(bands, dim=1)
     if not bool(same.any()):
         return new
     out = dict(new)
     w_new, w_ref = new[WEIGHT], ref[WEIGHT]
-    picked = torch.where(same[..., None], _bits(w_ref).reshape(shape), _bits(w_new).reshape(shape))
-    out[WEIGHT] = picked.reshape(w_new.shape).view(w_new.dtype)
+    if bool(same.all()):  # every block unchanged (a round trip): a copy of the reference's bytes
+        out[WEIGHT] = _bits(w_ref).view(w_new.dtype).reshape(w_new.shape).clone()
+        out[SCALE] = _bits(ref[SCALE]).view(new[SCALE].dtype).clone()
+        return out
+    b_ref, b_new = _as_blocks(nblocks, w_ref, w_new)
+    out[WEIGHT] = torch.where(same[..., None], b_ref, b_new).reshape(*w_new.shape[:-1], -1).view(w_new.dtype)
     out[SCALE] = torch.where(same, _bits(ref[SCALE]), _bits(new[SCALE])).view(new[SCALE].dtype)
     return out
 
