@@ -241,6 +241,7 @@ def grid(args: argparse.Namespace) -> dict:
                     m["same_bytes_as_first"] = digests.setdefault(command, d) == d
                     m["digest"] = d  # compare across runs (another checkout, another machine)
                 res["steps"].append(m)
+                write_json(res, args, partial=True)
                 print(f"  {command:15s} {device:4s} x{ranks}: {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
                       f"{m['share_of_plain']:4.0%} of plain"
                       + (f" ({m['steady_share_of_plain']:4.0%} running)" if m["steady_share_of_plain"] else "")
@@ -290,6 +291,7 @@ def full_layer(args: argparse.Namespace) -> dict:
                   "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
         m["share_of_plain"] = m["mb_s"] / res["plain"]["mb_s"]
         res["steps"].append(m)
+        write_json(res, args, partial=True)
         print(f"  {name:15s} {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  {m['share_of_plain']:4.0%} of plain  "
               f"peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB", flush=True)
         # Free the disk: an input no later step reads goes now (the GPU machine has 64 GB).
@@ -307,9 +309,15 @@ def full_layer(args: argparse.Namespace) -> dict:
     return res
 
 
-def save(res: dict, args: argparse.Namespace) -> None:
+def write_json(res: dict, args: argparse.Namespace, *, partial: bool) -> None:
+    """``--json`` rewritten after every step (``"partial": true`` until the end): a run cut by a
+    time limit still leaves the steps it finished."""
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**res, "partial": partial}, indent=2) + "\n")
+
+
+def save(res: dict, args: argparse.Namespace) -> None:
+    write_json(res, args, partial=False)
     if args.save_rates and res["mode"] == "grid":
         sys.path.insert(0, str(ROOT))
         from inkling_ckpt.pipeline.estimate import rate_key, save_rates
