@@ -31,6 +31,7 @@ from ..model.quant_config import check_quant_config
 from .lane import Lane
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_name, check_regular, copy_new, inside, open_regular, pass_through
+from .pread import read_exact
 from .hub import hub_access, resolve_source, split_repo_id
 from .staging import DONE_FILE, JOB_FILE, write_new
 
@@ -171,16 +172,12 @@ class HFCheckpoint:
         st = self.tensors[name]
         row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
         count = (stop - start) * row
-        buf = torch.empty(count, dtype=torch.uint8)
         path = self.root / st.file
         try:
             with open_regular(path, buffering=0) as f:
-                f.seek(st.offset + start * row)
-                got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+                buf = read_exact(f.fileno(), st.offset + start * row, count, f"{path}: truncated while reading {name}")
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
-        if got != count:
-            raise CheckpointError(f"{path}: truncated while reading {name}")
         shape = (stop - start, *st.shape[1:]) if st.shape else ()
         return buf.view(st.dtype).reshape(shape)
 

@@ -77,6 +77,7 @@ from torch.futures import Future
 from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
+from .pread import read_exact
 from .lane import Lane
 from .megatron_names import COMMON, DCP_METADATA, METADATA_JSON, RELEASE, TRACKER  # re-exported
 
@@ -1171,10 +1172,8 @@ class TorchDistCheckpoint:
                 if info.length <= ONE_READ_BYTES:
                     # One read serves the checksum and the load (reading the blob twice cost a third of
                     # megatron-to-hf's reading); the tensor's values stay where they were read.
-                    raw = torch.empty(info.length, dtype=torch.uint8)
-                    f.seek(info.offset)
-                    if f.readinto(memoryview(raw.numpy())) != info.length:  # type: ignore[arg-type]  # see _load_in_place
-                        raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
+                    raw = read_exact(f.fileno(), info.offset, info.length,
+                                     f"{path}: truncated (chunk of {key} runs past the end)")
                     self._verify(path, info, key, hashlib.sha256(memoryview(raw.numpy())).hexdigest()  # type: ignore[arg-type]  # see _load_in_place
                                  if self._sums else None)
                     t = _load_in_place(raw, sizes, st.dtype, what)
@@ -1289,15 +1288,12 @@ class TorchDistCheckpoint:
         first = lay.storage_offset + sum(a * x for a, x in zip(rel_lo, lay.strides, strict=True))
         last = lay.storage_offset + sum((b - 1) * x for b, x in zip(rel_hi, lay.strides, strict=True))
         count = (last - first + 1) * lay.itemsize
-        buf = torch.empty(count, dtype=torch.uint8)
         try:
             with open_regular(lay.path, buffering=0) as f:
-                f.seek(lay.start + first * lay.itemsize)
-                got = f.readinto(memoryview(buf.numpy()))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+                buf = read_exact(f.fileno(), lay.start + first * lay.itemsize, count,
+                                 f"{lay.path}: truncated (chunk of {key} runs past the end)")
         except OSError as e:
             raise CheckpointError(f"{lay.path}: cannot read ({e.strerror})") from None
-        if got != count:
-            raise CheckpointError(f"{lay.path}: truncated (chunk of {key} runs past the end)")
         dtype = (self._stacked.get(key) or self.keys[key]).dtype
         size = [b - a for a, b in zip(rel_lo, rel_hi, strict=True)]
         return buf.view(dtype).as_strided(size, lay.strides, 0)

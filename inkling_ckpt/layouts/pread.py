@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointError
-from .hf import read_header
+from ..model.inventory import nbytes
 
 
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n * dtype.itemsize
+def read_exact(fd: int, offset: int, count: int, truncated: str) -> torch.Tensor:
+    """``count`` bytes at ``offset`` of an open file, as a uint8 tensor.
+
+    Positioned reads until every byte has come (one read may return fewer), into memory torch
+    allocates (in huge pages when the CLI turned them on: every slice a command reads lands in
+    fresh memory). A file that ends first raises ``CheckpointError(truncated)``; an ``OSError``
+    is the caller's to name.
+    """
+    buf = torch.empty(count, dtype=torch.uint8)
+    view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+    got = 0
+    while got < count:
+        k = os.preadv(fd, [view[got:]], offset + got)
+        if k <= 0:
+            raise CheckpointError(truncated)
+        got += k
+    return buf
 
 
 class TensorFile:
@@ -26,6 +37,8 @@ class TensorFile:
     file's touched pages would count in the process's RSS and grow with the file)."""
 
     def __init__(self, path: Path):
+        from .hf import read_header  # here: hf reads through read_exact above
+
         self.path = path
         self.entries = read_header(path)  # name -> (shape, dtype, absolute offset), sizes checked
         self._fd: int | None = None
@@ -40,22 +53,15 @@ class TensorFile:
             if hi is None:
                 hi = shape[0]
             lead = (hi - lo, *shape[1:])
-        row = _nbytes(shape[1:], dtype) if shape else 0
-        n = _nbytes(lead, dtype)
+        row = nbytes(shape[1:], dtype) if shape else 0
+        n = nbytes(lead, dtype)
         with self._lock:
             if self._fd is None:
                 try:
                     self._fd = os.open(self.path, os.O_RDONLY)
                 except OSError as e:
                     raise CheckpointError(f"{self.path}: cannot read ({e.strerror})") from None
-        buf = bytearray(n)
-        view, got, pos = memoryview(buf), 0, offset + lo * row
-        while got < n:
-            k = os.preadv(self._fd, [view[got:]], pos + got)
-            if k <= 0:
-                raise CheckpointError(f"{self.path}: truncated inside {name}")
-            got += k
-        t = torch.frombuffer(buf, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        t = read_exact(self._fd, offset + lo * row, n, f"{self.path}: truncated inside {name}")
         return t.view(dtype).reshape(lead)
 
     def close(self) -> None:

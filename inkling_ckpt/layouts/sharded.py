@@ -55,6 +55,7 @@ from ..progress import ByteProgress
 from .hf import DTYPE_TO_ST, INDEX, ST_TO_DTYPE, HFCheckpoint, HFWriter, read_header
 from .lane import Lane
 from .paths import check_name, copy_new, inside, open_regular, pass_through
+from .pread import read_exact
 
 MANIFEST = "inkling-shard.json"
 FORMAT = "inkling-ckpt/sharded"
@@ -581,10 +582,7 @@ class ShardedCheckpoint:
             fd = self._fds.get(rel)
             if fd is None:
                 fd = self._fds[rel] = os.open(self.root / rel, os.O_RDONLY)
-        buf = torch.empty(count, dtype=torch.uint8)
-        got = os.preadv(fd, [memoryview(buf.numpy())], a + start * row) if count else 0  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
-        if got != count:
-            raise CheckpointError(f"{self.root / rel}: truncated inside {name}")
+        buf = read_exact(fd, a + start * row, count, f"{self.root / rel}: truncated inside {name}")
         shape = (stop - start, *local[1:]) if local else ()
         return buf.reshape(*shape, dtype.itemsize)
 
