@@ -284,3 +284,27 @@ def test_a_blob_serialized_by_a_worker_keeps_the_tensor_uncopied():
     views = [p for p in blob.parts if isinstance(p, memoryview)]
     assert len(views) == 1 and _address(views[0]) == x.data_ptr() and views[0].nbytes == x.nbytes
     assert blob.tensor_bytes == x.nbytes
+
+
+def test_a_blob_read_whole_is_not_streamed_again_for_a_part(tmp_path, monkeypatch):
+    """A blob that passed its sha256 once (read whole) is not hashed again, streamed from the file,
+    when a part of it is read later; one read for a part first checks it once for every later part."""
+    a = torch.arange(40 * 8, dtype=torch.float32).reshape(40, 8)
+    _write(tmp_path, {"a": a}, {})
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    streamed = []
+    verify = TorchDistCheckpoint._verify
+
+    def counting(self, path, info, key, digest=None):  # type: ignore[no-untyped-def]
+        if digest is None:
+            streamed.append(key)
+        return verify(self, path, info, key, digest)
+
+    monkeypatch.setattr(TorchDistCheckpoint, "_verify", counting)
+    assert torch.equal(ckpt.read("a"), a)
+    assert torch.equal(ckpt.read("a", (3, 0), (5, 8)), a[3:8])
+    assert streamed == []
+    fresh = TorchDistCheckpoint.open(tmp_path)
+    assert torch.equal(fresh.read("a", (3, 0), (5, 8)), a[3:8])
+    assert torch.equal(fresh.read("a", (10, 0), (5, 8)), a[10:15])
+    assert streamed == ["a"]

@@ -841,8 +841,7 @@ def _load_in_place(buf: torch.Tensor, shape: tuple[int, ...] | None, dtype: torc
         return _safe_load(io.BytesIO(view.tobytes()), what)
     if any(n == 0 for n in shape):
         return torch.empty(shape, dtype=dtype)
-    count = lay.storage_offset + sum((n - 1) * x for n, x in zip(shape, lay.strides, strict=True)) + 1
-    values = torch.frombuffer(view[lay.start:lay.start + count * lay.itemsize], dtype=dtype)
+    values = torch.frombuffer(view[lay.start:lay.start + lay.elements * lay.itemsize], dtype=dtype)
     return values.as_strided(shape, lay.strides, lay.storage_offset)
 
 
@@ -984,6 +983,7 @@ class _BlobLayout:
     storage_offset: int
     strides: tuple[int, ...]
     itemsize: int
+    elements: int  # of the storage, from its start through the tensor's last element
 
 
 _DATA_RECORD = re.compile(r"[^/]+/data/[0-9]+")
@@ -1037,7 +1037,8 @@ def _blob_layout(f: Any, path: Path, offset: int, length: int, shape: tuple[int,
     if start + rec.file_size > length or t.untyped_storage().nbytes() != rec.file_size \
             or (last + 1) * dtype.itemsize > rec.file_size:
         return None
-    return _BlobLayout(path, offset + start, int(t.storage_offset()), tuple(int(x) for x in t.stride()), dtype.itemsize)
+    return _BlobLayout(path, offset + start, int(t.storage_offset()), tuple(int(x) for x in t.stride()), dtype.itemsize,
+                       int(last) + 1)
 
 
 class TorchDistCheckpoint:
@@ -1057,7 +1058,7 @@ class TorchDistCheckpoint:
                 self.objects.append(key)
         self._cache: tuple[tuple[str, tuple[int, ...]], torch.Tensor] | None = None
         self._layouts: dict[tuple[str, tuple[int, ...]], _BlobLayout | None] = {}
-        self._verified: set[tuple[str, int]] = set()  # blobs checked against their sha256 (partial reads)
+        self._verified: set[tuple[str, int]] = set()  # blobs checked against their sha256 (by _verify)
         self._lock = threading.Lock()
         self._views: dict[str, tuple[str, int]] = {}  # per-layer key -> (stacked key, layer)
         self._stacked: dict[str, StoredKey] = {}
@@ -1110,12 +1111,15 @@ class TorchDistCheckpoint:
                                          "(restore the file or convert again)")
         return ckpt
 
-    def _blob(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
-        idx = MetadataIndex(key, torch.Size(offsets) if offsets is not None else None)
-        info = self.metadata.storage_data.get(idx)
+    def _storage(self, key: str, offsets: tuple[int, ...] | None) -> tuple[Any, Path]:
+        """The storage record of the blob of ``key`` at ``offsets`` (None: an object), and its data file."""
+        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets) if offsets is not None else None))
         if info is None:
             raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
-        path = self.folder / info.relative_path
+        return info, self.folder / info.relative_path
+
+    def _blob(self, key: str, offsets: tuple[int, ...] | None) -> bytes:
+        info, path = self._storage(key, offsets)
         try:
             with open_regular(path) as f:
                 f.seek(info.offset)
@@ -1128,7 +1132,8 @@ class TorchDistCheckpoint:
         return data
 
     def _verify(self, path: Path, info: Any, key: str, digest: str | None = None) -> None:
-        """Check a blob against the writer's sha256 sidecar (when the checkpoint has one)."""
+        """Check a blob against the writer's sha256 sidecar (when the checkpoint has one); a blob that
+        passed is recorded, so reading parts of it later does not stream it again."""
         if not self._sums:
             return
         want = self._sums.get((info.relative_path, info.offset, info.length))
@@ -1151,6 +1156,7 @@ class TorchDistCheckpoint:
         if digest != want:
             raise IntegrityError(f"{path}: the stored chunk of {key} at byte {info.offset} fails its sha256 "
                                  f"check; the file is corrupted")
+        self._verified.add((info.relative_path, info.offset))
 
     def read_object(self, key: str) -> Any:
         """A ``ShardedObject`` payload (a list of the saving ranks' objects), weights-only."""
@@ -1159,10 +1165,7 @@ class TorchDistCheckpoint:
     def read_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
         """One stored chunk exactly as written (weights-only load straight from the file)."""
         st = self._stacked.get(key) or self.keys[key]
-        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
-        if info is None:
-            raise CheckpointError(f"{self.folder}: .metadata lists {key} at {offsets} but stores no data for it")
-        path = self.folder / info.relative_path
+        info, path = self._storage(key, offsets)
         what = f"{path}: chunk of {key}"
         sizes = dict(st.chunks).get(offsets)
         try:
@@ -1304,10 +1307,7 @@ class TorchDistCheckpoint:
         if k in self._layouts:
             return self._layouts[k]
         st = self._stacked.get(key) or self.keys[key]
-        info = self.metadata.storage_data.get(MetadataIndex(key, torch.Size(c_off)))
-        if info is None:
-            raise CheckpointError(f"{self.folder}: .metadata lists {key} at {c_off} but stores no data for it")
-        path = self.folder / info.relative_path
+        info, path = self._storage(key, c_off)
         sizes = dict(st.chunks).get(c_off)
         try:
             with open_regular(path, buffering=0) as f:
@@ -1315,7 +1315,6 @@ class TorchDistCheckpoint:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
                 if (info.relative_path, info.offset) not in self._verified:
                     self._verify(path, info, key)  # streamed in pieces: memory stays at a piece
-                    self._verified.add((info.relative_path, info.offset))
                 lay = None if sizes is None else _blob_layout(f, path, info.offset, info.length, tuple(sizes),
                                                               st.dtype, f"{path}: chunk of {key}")
         except OSError as e:
