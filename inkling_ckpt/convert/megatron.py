@@ -40,7 +40,7 @@ from ..layouts.megatron import (
 )
 from ..formats.stacked import UNQUANTIZED
 from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
-from ..layouts.torch_dist_release import check_same_model, check_torch_dist, mapping_for
+from ..layouts.torch_dist_release import check_same_model, check_torch_dist, dense_rows, mapping_for
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory, is_vision
 from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES
 from ..model.precision import PrecisionPlan, dense_as
@@ -321,13 +321,7 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
         out: dict[str, torch.Tensor] = {}
         for name, a, b in unit.pieces:
             if name in by_hf:
-                e = by_hf[name]
-                if e.shape and e.rule.by_rows and (a, b) != (0, e.shape[0]):  # a row slice reads only its rows
-                    rows = reader.read(e.key, (a, *(0 for _ in e.shape[1:])), (b - a, *e.shape[1:]))
-                    out[name] = m.rows_to_hf(e.key, rows, a).contiguous()
-                    continue
-                t = m.to_hf(e.key, reader.read(e.key)).contiguous()
-                out[name] = t if (a, b) == (0, t.shape[0] if t.dim() else 1) else t[a:b]
+                out[name] = dense_rows(reader, m, by_hf[name].key, a, b)
             elif is_vision(name):  # the vision tower: from the reference, bit for bit
                 out.update(read_dense(reference, [(name, a, b)]))
             else:

@@ -64,6 +64,17 @@ def check_torch_dist(reader: TorchDistCheckpoint, m: MegatronMapping) -> dict[st
     return dtypes
 
 
+def dense_rows(reader: TorchDistCheckpoint, m: MegatronMapping, key: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of the HF tensor that non-expert Megatron ``key`` becomes: a rule that maps
+    rows to rows reads only those rows (the embeddings), any other reads the tensor whole and cuts it."""
+    e = m.entry(key)
+    if e.shape and e.rule.by_rows:
+        rows = reader.read(e.key, (start, *(0 for _ in e.shape[1:])), (stop - start, *e.shape[1:]))
+        return m.rows_to_hf(e.key, rows, start).contiguous()
+    t = m.to_hf(e.key, reader.read(e.key)).contiguous()
+    return t if (start, stop) == (0, t.shape[0] if t.dim() else 1) else t[start:stop]
+
+
 class MissingConfigError(ConfigError):
     """A torch_dist folder that keeps no config.json, opened without one."""
 
@@ -176,10 +187,7 @@ class TorchDistRelease:
             raise CheckpointError(f"{self.root}: rows {start}:{stop} of {name} are outside {list(t.shape)}")
         e = self.mapping.entry(t.key)
         if not e.stacked:
-            if not e.shape or not e.rule.by_rows:
-                return self.get(name)[start:stop]
-            rows = self.reader.read(e.key, (start, *(0 for _ in e.shape[1:])), (stop - start, *e.shape[1:]))
-            return self.mapping.rows_to_hf(e.key, rows, start).contiguous()
+            return dense_rows(self.reader, self.mapping, e.key, start, stop)
         mg = self.reader.read(e.key, (start, 0, 0), (stop - start, *e.shape[1:]))
         return self.mapping.to_hf(e.key, mg).contiguous()
 
@@ -293,5 +301,5 @@ def check_same_model(reader: TorchDistCheckpoint, cfg: InklingConfig, where: str
                       f"{show({f: getattr(cfg, f) for f in shown}, shown)}; checkpoint: {show(have, shown)}{also}")
 
 
-__all__ = ["TorchDistRelease", "ReleaseTensor", "MissingConfigError", "load_config", "mapping_for", "check_same_model",
+__all__ = ["TorchDistRelease", "dense_rows", "ReleaseTensor", "MissingConfigError", "load_config", "mapping_for", "check_same_model",
            "stored_dims", "check_torch_dist"]
