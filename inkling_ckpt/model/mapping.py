@@ -36,7 +36,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .config import InklingConfig
 from .inventory import (
-    EXPERTS, LAYER, FULL, BOTH, TEXT, TEXT_ROWS, Row, Scope, inventory, is_vision, match_name,
+    EXPERTS, LAYER, FULL, BOTH, TEXT, TEXT_ROWS, Row, Scope, inventory, is_vision, match_name, nbytes,
 )
 from .precision import PrecisionPlan
 
@@ -272,9 +272,7 @@ class Entry:
         """The stored row ranges of a non-expert tensor (see :meth:`chunks`); ``[(0, 1)]`` for a scalar."""
         limit = DENSE_CHUNK_BYTES if dense_bytes is None else dense_bytes
         rows = self.shape[0] if self.shape else 1
-        row_bytes = self.dtype.itemsize
-        for n in self.shape[1:]:
-            row_bytes *= n
+        row_bytes = nbytes(self.shape[1:], self.dtype)
         if self.layer is not None or len(self.shape) < 2 or not self.rule.by_rows or rows * row_bytes <= limit:
             return [(0, rows)]
         step = max(1, limit // max(1, row_bytes))

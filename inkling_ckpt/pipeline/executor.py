@@ -59,8 +59,8 @@ def share_cores(cores: int, local_ranks: int, workers: int, device_type: str) ->
     each using every core ran slower than one). ``workers`` 0 means the default: one per core of
     the rank's share, at most :data:`MAX_DEFAULT_WORKERS` (:data:`MAX_DEFAULT_GPU_WORKERS` on a
     GPU), and at least 2 on a GPU (the GPU work of a slice takes milliseconds; reading, checking
-    and serializing it on the host does not, so the host side wants several slices in flight). At least 1 each. On a GPU a worker mostly waits on
-    its stream or in I/O: one torch thread.
+    and serializing it on the host does not, so the host side wants several slices in flight).
+    At least 1 each. On a GPU a worker mostly waits on its stream or in I/O: one torch thread.
     """
     share = max(1, cores // max(1, local_ranks))
     if workers <= 0:
@@ -94,7 +94,8 @@ class Options:
 
     device: str = "auto"
     slice_bytes: int = DEFAULT_SLICE_BYTES
-    workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS; 2+ on a GPU)
+    workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS, or
+    #                    MAX_DEFAULT_GPU_WORKERS and at least 2 on a GPU)
     progress: bool = True
 
 
