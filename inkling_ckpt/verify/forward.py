@@ -297,6 +297,10 @@ class _Unit:
     # routed experts run a slice at a time: experts module prefix -> {parameter: its source}
     streamed: dict[str, dict[str, _Source]] = field(default_factory=dict)
 
+    def is_streamed(self, src: _Source) -> bool:
+        """Whether ``src`` is read a slice at a time when its layer runs (not with the unit)."""
+        return any(src is s for params in self.streamed.values() for s in params.values())
+
     @property
     def expert_format(self) -> str | None:
         fmts = sorted({s.fmt for s in self.sources if s.fmt is not None})
@@ -484,8 +488,7 @@ class StreamedModel:
     def read(self, unit: _Unit) -> dict[str, torch.Tensor]:
         """The unit's stored tensors (on-disk names, as stored) on the run device; routed experts that
         run a slice at a time are read when they run, not here."""
-        streamed = {id(src) for params in unit.streamed.values() for src in params.values()}
-        return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources if id(s) not in streamed
+        return {s.base + p: self.reader.get(s.base + p, self.device) for s in unit.sources if not unit.is_streamed(s)
                 for p in s.parts}
 
     def load(self, unit: _Unit, stored: dict[str, torch.Tensor] | None = None) -> None:
@@ -495,12 +498,11 @@ class StreamedModel:
         stored = self.read(unit) if stored is None else stored
         state: dict[str, dict[str, torch.Tensor]] = {p: {} for p, _ in unit.modules}
         later: dict[str, set[str]] = {p: set() for p, _ in unit.modules}  # streamed experts' parameters
-        streamed = {id(src) for params in unit.streamed.values() for src in params.values()}
         for experts, params in unit.streamed.items():
             prefix = next(p for p, _ in unit.modules if experts.startswith(p + "."))
             later[prefix] |= {f"{experts[len(prefix) + 1:]}.{name}" for name in params}
         for s in unit.sources:
-            if id(s) in streamed:  # read a slice at a time when the layer runs
+            if unit.is_streamed(s):  # read a slice at a time when the layer runs
                 continue
             t = self._convert(s, self._materialise(s, {p: stored.pop(s.base + p) for p in s.parts}))
             prefix = next(p for p, _ in unit.modules if s.target.startswith(p + "."))
