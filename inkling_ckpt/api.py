@@ -64,14 +64,15 @@ def _src(source: Any) -> Any:
     return str(getattr(source, "root", source))
 
 
-def _options(device: str, slice_mb: int, workers: int, progress: bool) -> Any:
-    """The pipeline options (``--device``, ``--slice-mb``, ``--workers``) of a rewriting job."""
+def _options(device: str, slice_mb: int, workers: int, progress: bool, memory_mb: int = 768) -> Any:
+    """The pipeline options (``--device``, ``--slice-mb``, ``--workers``, ``--memory-mb``) of a rewriting job."""
     from .errors import DeviceError
     from .pipeline import DEVICES, Options
 
     if device not in DEVICES and not str(device).startswith("cuda:"):
         raise DeviceError(f"--device {device!r}: choose one of {', '.join(DEVICES)}")
-    return Options(device=device, slice_bytes=int(slice_mb) * 2**20, workers=workers, progress=progress)
+    return Options(device=device, slice_bytes=int(slice_mb) * 2**20, workers=workers, progress=progress,
+                   memory_bytes=int(memory_mb) * 2**20)
 
 
 def _figures(result: Any) -> dict[str, Any]:
@@ -110,7 +111,7 @@ def _check_keep(plan: "PrecisionPlan", reference: Any, where: str) -> None:
 def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str,
                 reference: Any, max_shard_size: int | str | None, allow_nonfinite: bool, force: bool, dry_run: bool,
                 progress: bool, check_keep_in: str | None, dtype: str | None = None, device: str = "auto",
-                slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     from .convert.experts import ExpertEncoder
     from .convert.requantize import describe_requantize, requantize
     from .layouts.hf import HFCheckpoint, parse_size
@@ -139,7 +140,7 @@ def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionP
                                       for f in p.used_formats()})
     result = requantize(ckpt, dst, p, scales=scales, reference=ref, max_shard_size=size,  # type: ignore[arg-type]
                         allow_nonfinite=allow_nonfinite, force=force, command=command, dtype=dtype,
-                        options=_options(device, slice_mb, workers, progress))
+                        options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job(command, result, ckpt, precision_plan=str(p), tensors=result.tensors, bytes=result.bytes,
                 notes=list(result.notes), **_figures(result))
 
@@ -147,7 +148,7 @@ def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionP
 def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
              reference: str | Path | None = None, max_shard_size: int | str | None = None,
              allow_nonfinite: bool = False, force: bool = False, dry_run: bool = False, progress: bool = False,
-             dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+             dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Quantize routed experts per layer (``plan``: ``0-39:nvfp4,40-47:mxfp8``, ``mxfp8``, …); the rest is copied.
 
     ``scales="keep"`` takes NVFP4 amax (and unchanged blocks' bytes) from ``reference``, or from
@@ -156,25 +157,25 @@ def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, s
     return _requantize("quantize", src, dst, plan, scales=scales, reference=reference,
                        max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,
                        progress=progress, check_keep_in=str(src), dtype=dtype, device=device, slice_mb=slice_mb,
-                       workers=workers)
+                       workers=workers, memory_mb=memory_mb)
 
 
 def convert_hf_to_hf(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
                      max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
                      dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-                     device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                     device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
     ``scales="keep"`` keeps SRC's own NVFP4 scales for layers that stay in their format.
     """
     return _requantize("hf-to-hf", src, dst, plan, scales=scales, reference=None, max_shard_size=max_shard_size,
                        allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run, progress=progress,
-                       check_keep_in=str(src), dtype=dtype, device=device, slice_mb=slice_mb, workers=workers)
+                       check_keep_in=str(src), dtype=dtype, device=device, slice_mb=slice_mb, workers=workers, memory_mb=memory_mb)
 
 
 def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str | None = None, force: bool = False,
                dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-               device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+               device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Decode every routed expert to BF16, or ``dtype`` (refused for a source already in it)."""
     from .layouts.hf import HFCheckpoint
     from .layouts.paths import check_dst
@@ -188,14 +189,14 @@ def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str | 
     return _requantize("dequantize", ckpt, dst, target,
                        scales="fresh", reference=None, max_shard_size=max_shard_size, allow_nonfinite=False,
                        force=force, dry_run=dry_run, progress=progress, check_keep_in=None, dtype=dtype, device=device,
-                       slice_mb=slice_mb, workers=workers)
+                       slice_mb=slice_mb, workers=workers, memory_mb=memory_mb)
 
 
 # ---- HF <-> Megatron ----------------------------------------------------------------------------
 
 def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "miles", allow_nonfinite: bool = False,
                            force: bool = False, dry_run: bool = False, progress: bool = False,
-                           dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                           dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Write SRC as a Megatron-Core torch_dist checkpoint (collective when the caller runs under torchrun)."""
     import os
 
@@ -213,7 +214,7 @@ def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "m
         info.pop("source", None)
         return _dry("hf-to-megatron", ckpt, dst, **info)
     result = hf_to_megatron(ckpt, dst, preset=get_preset(preset), allow_nonfinite=allow_nonfinite, force=force,
-                            dtype=dtype, options=_options(device, slice_mb, workers, progress))
+                            dtype=dtype, options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job("hf-to-megatron", result, ckpt, preset=get_preset(preset).name, tensors=result.tensors,
                 bytes=result.bytes, notes=list(result.notes), **_figures(result))
 
@@ -222,7 +223,7 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
                            plan: "str | PrecisionPlan | None" = None, scales: str = "keep", preset: str | None = None,
                            max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
                            dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-                           device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                           device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Bring trained torch_dist weights back to the release layout in the served precision.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
@@ -257,7 +258,7 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
                             preset=get_preset(preset) if preset else None,
                             max_shard_size=parse_size(max_shard_size) if max_shard_size is not None else None,
                             allow_nonfinite=allow_nonfinite, force=force, dtype=dtype,
-                            options=_options(device, slice_mb, workers, progress))
+                            options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job("megatron-to-hf", result, src, reference=str(ref.root), precision_plan=str(p or ref.plan),
                 tensors=result.tensors, bytes=result.bytes, notes=notes + list(result.notes), **_figures(result))
 
@@ -266,7 +267,7 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
 
 def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_shard_size: int | str = "5GB",
           force: bool = False, dry_run: bool = False, progress: bool = False, variant: str | None = None,
-          plan: "str | PrecisionPlan | None" = None, workers: int = 0) -> dict[str, Any]:
+          plan: "str | PrecisionPlan | None" = None, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Split an HF checkpoint into one folder per TP rank (experts EP-sliced); ``dry_run`` needs no ``dst``.
 
     A dry run also plans from a bare ``config.json`` (a folder holding only one, or a hub repo id:
@@ -310,14 +311,14 @@ def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_
     if dst is None:
         raise PlanError("shard needs DST (or dry_run)")
     res = sharded.shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=progress,
-                        options=_options("cpu", 64, workers, progress))
+                        options=_options("cpu", 64, workers, progress, memory_mb))
     return _job("shard", res, src, parallel_plan={"tp": tp, "ep": ep}, tensors=res.tensors,
                 source_bytes=res.source_bytes, bytes=res.written_bytes, rank_bytes=list(res.rank_bytes),
                 **_figures(res))
 
 
 def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_run: bool = False,
-                 progress: bool = False, workers: int = 0) -> dict[str, Any]:
+                 progress: bool = False, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Rebuild the original checkpoint of a sharded folder byte for byte (checksums verified; collective
     under torchrun: the ranks split the source files)."""
     from .layouts import sharded
@@ -332,7 +333,7 @@ def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_r
                         bytes=sum(int(f["bytes"]) for f in files.values()))
         finally:
             sh.close()
-    res = sharded.merge(src, dst, force=force, progress=progress, options=_options("cpu", 64, workers, progress))
+    res = sharded.merge(src, dst, force=force, progress=progress, options=_options("cpu", 64, workers, progress, memory_mb))
     return _job("merge-shards", res, src, files=res.files, bytes=res.bytes, **_figures(res))
 
 
@@ -352,7 +353,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, 
 
 def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = None, exact: bool = False,
                    config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False,
-                   device: str = "auto", slice_mb: int = 64, workers: int = 0) -> dict[str, Any]:
+                   device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``).
 
     Collective when the caller runs under torchrun: the ranks split the units, every rank returns
@@ -364,7 +365,7 @@ def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = Non
 
     if min_sqnr is not None and not math.isfinite(min_sqnr):
         raise PlanError(f"--min-sqnr {min_sqnr}: must be a finite number of dB")
-    options = _options(device, slice_mb, workers, progress)
+    options = _options(device, slice_mb, workers, progress, memory_mb)
     rep = build_report(compare(a, b, config=config, options=options), min_sqnr=min_sqnr, exact=exact)
     if plot is not None and current_world().rank == 0:
         plot_report(rep, plot)
@@ -531,7 +532,7 @@ def lora_export(src: str | Path, dst: str | Path, *, config: str | Path, alpha: 
 
 def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: bool = False, force: bool = False,
                dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64,
-               workers: int = 0) -> dict[str, Any]:
+               workers: int = 0, memory_mb: int = 768) -> dict[str, Any]:
     """The base release checkpoint with W + (alpha/r)·B·A, re-encoded per layer format with the base's scales
     (collective when the caller runs under torchrun: the ranks split the base's shard files)."""
     from .layouts.paths import check_dst
@@ -544,7 +545,7 @@ def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: 
         return _dry("lora-merge", [base, adapter], dst, tensors=len(rows), bytes=sum(r["bytes"] for r in rows),
                     merged=rows)
     res = merge(base, adapter, dst, force=force, progress=progress, measure=sqnr,
-                options=_options(device, slice_mb, workers, progress))
+                options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job("lora-merge", res, [base, adapter], files=res.files, changed=list(res.changed),
                 unchanged_experts=res.unchanged_experts, bytes=res.bytes, sqnr_db=dict(res.sqnr), **_figures(res))
 

@@ -117,6 +117,52 @@ def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):
     assert two.stats.as_dict()["threads"] == 2  # in the report's "ranks"
 
 
+def _concurrency(ex: Executor, units: list) -> tuple[list, int]:
+    """Run ``units`` through ``ex.map`` with a transform that holds each unit a moment; (the units
+    in the order handed out, the most transforms that ran at once)."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    running = [0, 0]
+
+    def work(u):
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        return u.key
+
+    got = [(u.key, r) for u, r in ex.map(units, work)]
+    assert all(k == r for k, r in got)
+    return [k for k, _ in got], running[1]
+
+
+def test_units_in_flight_stay_within_the_memory_budget():
+    """The budget, not the worker count, bounds what is in flight: 100-byte units under a 250-byte
+    budget run two at a time (the one handed out counts until the writer is done with it)."""
+    units = [Unit(key=f"u{i}", read_bytes=60, write_bytes=40) for i in range(12)]
+    ex = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
+    order, most = _concurrency(ex, units)
+    assert order == [u.key for u in units]  # the order never depends on the schedule
+    assert ex.stats.most_in_flight == 2 and most <= 2
+    assert ex.stats.as_dict()["budget_bytes"] == 250 and ex.stats.as_dict()["start_rss_bytes"] > 0
+    wide = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=10**6))
+    assert _concurrency(wide, units)[0] == order
+    assert wide.stats.most_in_flight == 8  # as before the budget: workers + 1 queued, and the one being written
+
+
+def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():
+    units = [Unit(key="small", read_bytes=10), Unit(key="huge", read_bytes=10**9, hold_bytes=0), Unit(key="after")]
+    ex = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100))
+    assert _concurrency(ex, units)[0] == ["small", "huge", "after"]
+    assert ex.stats.most_in_flight <= 2
+    assert Unit(key="x", read_bytes=5, write_bytes=7).memory == 12
+    assert Unit(key="x", read_bytes=5, write_bytes=7, hold_bytes=30).memory == 30  # a command's own estimate wins
+
+
 def test_local_ranks_come_from_torchrun(monkeypatch):
     from inkling_ckpt.pipeline import local_ranks
 
@@ -186,7 +232,8 @@ def test_device_cuda_without_a_gpu_is_one_line_and_publishes_nothing(cli, tmp_pa
 def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
     args = ("--plan", "0-1:nvfp4,2-3:mxfp8", "--max-shard-size", "1MB", "-q", "--device", "cpu")
     assert cli("quantize", TINY["bf16"], tmp_path / "a", *args, "--workers", "1")[0] == 0
-    code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "b", *args, "--workers", "3", "--slice-mb", "1")
+    code, out, _ = cli("quantize", TINY["bf16"], tmp_path / "b", *args, "--workers", "3", "--slice-mb", "1",
+                       "--memory-mb", "1")
     assert code == 0
     assert same_files(tmp_path / "a", tmp_path / "b") == []
     # The closing line: time, bytes read and written, rate; nothing claimed as resumed.

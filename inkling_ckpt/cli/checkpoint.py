@@ -10,7 +10,7 @@ import typer
 
 from .app import app, declares
 from .options import (CONFIG, DEVICE, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, QUIET, REVISION,
-                      SLICE_MB, TOKEN, VERBOSE, WORKERS, DenseDtype, Scales, Size, Variant, emit, hub,
+                      SLICE_MB, TOKEN, VERBOSE, WORKERS, MEMORY_MB, DenseDtype, Scales, Size, Variant, emit, hub,
                       joined, render_job, setup)
 
 
@@ -115,6 +115,7 @@ def quantize(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     """Quantize routed experts per layer (NVFP4/MXFP8); everything else is copied bit for bit.
 
@@ -129,7 +130,7 @@ def quantize(
         report(api.quantize(src, dst, plan, scales=scales.value, reference=reference, max_shard_size=max_shard_size,
                             allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run, progress=not quiet,
                             dtype=dtype.value if dtype else None, device=device, slice_mb=slice_mb,
-                            workers=workers), as_json)
+                            workers=workers, memory_mb=memory_mb), as_json)
 
 
 @app.command("dequantize")
@@ -149,6 +150,7 @@ def dequantize(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     """Decode every routed expert to BF16 (under torchrun: the ranks split the output shards)."""
     setup(verbose)
@@ -157,4 +159,4 @@ def dequantize(
     with hub(revision, token), joined(dry_run):
         report(api.dequantize(src, dst, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
                               progress=not quiet, dtype=dtype.value if dtype else None, device=device,
-                              slice_mb=slice_mb, workers=workers), as_json)
+                              slice_mb=slice_mb, workers=workers, memory_mb=memory_mb), as_json)

@@ -11,7 +11,7 @@ import typer
 from .app import app, declares
 from .checkpoint import report
 from .options import (DEVICE, DRY_RUN, DTYPE, FORCE, JSON, KEEP_SHARDS, NONFINITE, PLAN_HELP, PRESET, QUIET, READ_PRESET,
-                      REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, DenseDtype, Preset, Scales, hub, joined, setup)
+                      REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, MEMORY_MB, DenseDtype, Preset, Scales, hub, joined, setup)
 
 convert_app = typer.Typer(
     name="convert",
@@ -56,6 +56,7 @@ def hf_to_megatron_cmd(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     """Write SRC as a Megatron-Core torch_dist checkpoint (per-layer keys, global shapes).
 
@@ -76,7 +77,7 @@ def hf_to_megatron_cmd(
             with joined():
                 rep = api.convert_hf_to_megatron(src, dst, preset=preset.value, allow_nonfinite=allow_nonfinite,
                                                  force=force, progress=not quiet and _rank() == 0, dtype=_dt(dtype),
-                                                 device=device, slice_mb=slice_mb, workers=workers)
+                                                 device=device, slice_mb=slice_mb, workers=workers, memory_mb=memory_mb)
     if _rank() == 0:
         report(rep, as_json)
 
@@ -110,6 +111,7 @@ def megatron_to_hf_cmd(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     """Bring trained Megatron weights back to HF in the served precision.
 
@@ -125,7 +127,7 @@ def megatron_to_hf_cmd(
                                           preset=preset.value if preset else None,
                                           max_shard_size=max_shard_size, allow_nonfinite=allow_nonfinite, force=force,
                                           dry_run=dry_run, progress=not quiet, dtype=_dt(dtype), device=device,
-                                          slice_mb=slice_mb, workers=workers), as_json)
+                                          slice_mb=slice_mb, workers=workers, memory_mb=memory_mb), as_json)
 
 
 @convert_app.command("hf-to-hf")
@@ -151,6 +153,7 @@ def hf_to_hf_cmd(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
@@ -165,4 +168,4 @@ def hf_to_hf_cmd(
         report(api.convert_hf_to_hf(src, dst, plan, scales=scales.value, max_shard_size=max_shard_size,
                                     allow_nonfinite=allow_nonfinite, force=force, dry_run=dry_run,
                                     progress=not quiet, dtype=_dt(dtype), device=device, slice_mb=slice_mb,
-                                    workers=workers), as_json)
+                                    workers=workers, memory_mb=memory_mb), as_json)

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import typer
 
 from .app import app, declares
-from .options import (DEVICE, DRY_RUN, FORCE, JSON, QUIET, SLICE_MB, VERBOSE, WORKERS, emit, figures, joined, render_job,
+from .options import (DEVICE, DRY_RUN, FORCE, JSON, QUIET, SLICE_MB, VERBOSE, WORKERS, MEMORY_MB, emit, figures, joined, render_job,
                       setup)
 
 lora_app = typer.Typer(
@@ -83,6 +83,7 @@ def merge_cmd(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
     dry_run: bool = DRY_RUN,
     as_json: bool = JSON,
     force: bool = FORCE,
@@ -97,7 +98,7 @@ def merge_cmd(
 
     with joined(dry_run):
         rep = api.lora_merge(base, adapter, out, sqnr=sqnr, force=force, dry_run=dry_run, progress=not quiet,
-                             device=device, slice_mb=slice_mb, workers=workers)
+                             device=device, slice_mb=slice_mb, workers=workers, memory_mb=memory_mb)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
         emit(rep, as_json, _render_merge)
 

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from .app import app, declares
-from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, WORKERS, Variant, emit, figures,
+from .options import (DRY_RUN, FORCE, JSON, QUIET, REVISION, SHARD_SIZE, TOKEN, VERBOSE, WORKERS, MEMORY_MB, Variant, emit, figures,
                       hub, joined, render_job, setup)
 
 _HELP = "\n\n".join([
@@ -44,6 +44,7 @@ def shard_cmd(
                                             "an explicit precision plan instead of --variant."),
     max_shard_size: str = SHARD_SIZE,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
     revision: Optional[str] = REVISION,
     token: Optional[str] = TOKEN,
     dry_run: bool = DRY_RUN,
@@ -62,7 +63,7 @@ def shard_cmd(
         if dst is None:
             raise PlanError("--merge needs DST, the folder to rebuild the checkpoint in")
         with joined(dry_run):
-            rep = api.merge_shards(src, dst, force=force, dry_run=dry_run, progress=not quiet, workers=workers)
+            rep = api.merge_shards(src, dst, force=force, dry_run=dry_run, progress=not quiet, workers=workers, memory_mb=memory_mb)
         if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
             emit(rep, as_json, _render_merge)
         return
@@ -72,7 +73,7 @@ def shard_cmd(
         raise PlanError("DST is required (or pass --dry-run)")
     with hub(revision, token), joined(dry_run):
         rep = api.shard(src, dst, tp=tp, ep=ep, max_shard_size=max_shard_size, force=force, dry_run=dry_run,
-                        progress=not quiet, variant=variant.value if variant else None, plan=plan_text, workers=workers)
+                        progress=not quiet, variant=variant.value if variant else None, plan=plan_text, workers=workers, memory_mb=memory_mb)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun: one report, from rank 0
         emit(rep, as_json, _render_dry_run if dry_run else _render_shard)
 

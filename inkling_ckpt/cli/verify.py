@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from .app import app, declares
-from .options import (DEVICE, JSON, QUIET, REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, ForwardDtype, emit, hub,
+from .options import (DEVICE, JSON, QUIET, REVISION, SLICE_MB, TOKEN, VERBOSE, WORKERS, MEMORY_MB, ForwardDtype, emit, hub,
                       joined, setup)
 
 # The report modules are imported when a mode runs (the forward mode needs nothing of the
@@ -77,6 +77,7 @@ def verify_cmd(
     device: str = DEVICE,
     slice_mb: int = SLICE_MB,
     workers: int = WORKERS,
+    memory_mb: int = MEMORY_MB,
 ) -> None:
     setup(verbose)
     from .. import api
@@ -84,7 +85,8 @@ def verify_cmd(
 
     if forward:
         tensor_only = {"--plot": plot is not None, "--min-sqnr": min_sqnr is not None, "--exact": exact,
-                       "--config": config is not None, "--workers": workers != WORKERS.default}
+                       "--config": config is not None, "--workers": workers != WORKERS.default,
+                       "--memory-mb": memory_mb != MEMORY_MB.default}
         given = [k for k, v in tensor_only.items() if v]
         if given:
             raise ConfigError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply with --forward")
@@ -113,7 +115,7 @@ def verify_cmd(
 
     with hub(revision, token), joined():
         rep = api.verify_tensors(a, b, min_sqnr=min_sqnr, exact=exact, config=config, plot=plot, progress=not quiet,
-                                 device=device, slice_mb=slice_mb, workers=workers)
+                                 device=device, slice_mb=slice_mb, workers=workers, memory_mb=memory_mb)
     first = int(os.environ.get("RANK", "0")) == 0  # under torchrun: one report, from rank 0
     if first:
         emit(rep, as_json, lambda r: render_report(r, top=top))

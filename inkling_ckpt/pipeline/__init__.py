@@ -23,7 +23,7 @@ per-rank stats behind the closing line and ``--json``'s ``"ranks"`` (:class:`Res
 
 from .device import DEVICES, device_kind, oom_as_error, resolve_device
 from .estimate import estimate
-from .executor import DEFAULT_SLICE_BYTES, Executor, Options, RankStats, Unit, cores, share_cores, to_host
+from .executor import DEFAULT_MEMORY_BYTES, DEFAULT_SLICE_BYTES, Executor, Options, RankStats, Unit, cores, share_cores, to_host
 from .hf_out import piece_bytes, write_hf
 from .publish import Outcome, Stage, run_staged
 from .report import Result, gb
@@ -31,7 +31,7 @@ from .units import dense_units, expert_slices, release_units, stack_units, where
 from .world import World, all_ok, assign, broadcast, current_world, gather, launched_ranks, local_ranks, torchrun
 
 __all__ = [
-    "DEVICES", "DEFAULT_SLICE_BYTES", "Executor", "Options", "Outcome", "RankStats", "Result", "Stage", "Unit", "World",
+    "DEVICES", "DEFAULT_MEMORY_BYTES", "DEFAULT_SLICE_BYTES", "Executor", "Options", "Outcome", "RankStats", "Result", "Stage", "Unit", "World",
     "all_ok", "assign", "device_kind", "estimate", "broadcast", "cores", "current_world", "dense_units", "expert_slices", "gather", "gb",
     "launched_ranks", "local_ranks", "oom_as_error", "piece_bytes", "release_units", "resolve_device", "run_staged", "share_cores", "stack_units", "to_host",
     "torchrun", "where_of", "write_hf",

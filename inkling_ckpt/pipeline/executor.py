@@ -4,7 +4,8 @@ A command hands it a list of :class:`Unit` (planned from headers, in output orde
 ``transform(unit)`` that reads the unit's input bytes and returns what to write (decoding /
 re-encoding / renaming / slicing on :attr:`Executor.device`); ``sink(unit, result)`` writes it.
 Transforms run on a pool of worker threads (torch ops and file reads release the GIL), at most
-``workers + 1`` units in flight, so memory is a few slices whatever the checkpoint size; results
+``workers + 1`` units in flight and no more of them than the host memory budget holds
+(``--memory-mb``), so memory is a few slices whatever the checkpoint size; results
 reach the sink in plan order on the calling thread (the only one that writes), so writing
 overlaps the next units' reading and transforming, and what is written never depends on the
 schedule. On CUDA every worker has its own stream; a GPU out-of-memory becomes one
@@ -25,7 +26,7 @@ import torch
 
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
-from .memory import steady_memory
+from .memory import resident_bytes, steady_memory
 from .world import World, current_world, gather
 
 T = TypeVar("T")
@@ -41,6 +42,10 @@ MAX_DEFAULT_WORKERS = 4
 #: waiting 86 % of the time) for ~110 MB more RSS; hf-to-megatron's stayed at 12.7 s (and an
 #: earlier run of quantize, dequantize and hf-to-hf with 8 measured within noise of 4).
 MAX_DEFAULT_GPU_WORKERS = 8
+#: Host bytes the units in flight may hold together by default. The process's own size comes on
+#: top: ~240 MiB on the CPU (torch); on the H200 machine importing torch takes 491 MiB alone and
+#: CUDA with the codec kernels ~230 MiB more. 768 MiB kept the CPU runs near 1 GiB in all.
+DEFAULT_MEMORY_BYTES = 768 * 2**20
 
 
 def cores() -> int:
@@ -86,6 +91,12 @@ class Unit:
     write_bytes: int = 0
     pieces: tuple[tuple[str, int, int], ...] = ()
     data: Any = None
+    hold_bytes: int = 0  # host bytes its transform holds at once; 0: read_bytes + write_bytes
+
+    @property
+    def memory(self) -> int:
+        """Host bytes this unit holds while in flight, for the executor's memory budget."""
+        return self.hold_bytes or self.read_bytes + self.write_bytes
 
 
 @dataclass
@@ -97,6 +108,7 @@ class Options:
     workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS, or
     #                    MAX_DEFAULT_GPU_WORKERS and at least 2 on a GPU)
     progress: bool = True
+    memory_bytes: int = DEFAULT_MEMORY_BYTES  # host bytes the units in flight may hold together
 
 
 @dataclass
@@ -118,6 +130,11 @@ class RankStats:
     # handling results (writing: the sink is the bound). Measured in ``map``.
     wait_seconds: float = 0.0
     sink_seconds: float = 0.0
+    # The host memory budget of the units in flight, the most units in flight at once, and the
+    # process's resident size when the executor started (what the units' memory comes on top of).
+    budget_bytes: int = 0
+    most_in_flight: int = 0
+    start_rss_bytes: int = 0
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,7 +143,8 @@ class RankStats:
                 "units_reused": self.units_reused, "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
                 "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
-                "sink_seconds": round(self.sink_seconds, 3), "span": self.where}
+                "sink_seconds": round(self.sink_seconds, 3), "budget_bytes": self.budget_bytes,
+                "most_in_flight": self.most_in_flight, "start_rss_bytes": self.start_rss_bytes, "span": self.where}
 
 
 class Executor:
@@ -149,22 +167,32 @@ class Executor:
             # them before gives "Invalid device argument" (seen with torch 2.11 on an H200).
             torch.empty(1, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        #: Host bytes the units in flight may hold together (at least one unit always runs).
+        self.budget_bytes = max(0, int(self.options.memory_bytes))
+        self.stats.budget_bytes = self.budget_bytes
+        self.stats.start_rss_bytes = resident_bytes()
 
     # ---- running units -----------------------------------------------------------------------
 
-    def map(self, units: Sequence[Any], transform: Callable[[Any], T]) -> Iterator[tuple[Any, T]]:
+    def map(self, units: Sequence[Any], transform: Callable[[Any], T], *,
+            cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, T]]:
         """``(unit, transform(unit))`` in order; transforms run ahead on the workers, bounded.
 
-        Works on any items (a :class:`Unit` or a storage writer's own items). An error in a
-        transform is raised here, at its unit, after the work in flight is cancelled.
+        Works on any items (a :class:`Unit` or a storage writer's own items). ``cost(item)``: the
+        host bytes an item holds while in flight (default: a :class:`Unit`'s ``memory``, else 0);
+        items start while those in flight, the one being handed out included, fit the budget (the
+        next in order always starts when nothing else is in flight). An error in a transform is
+        raised here, at its unit, after the work in flight is cancelled.
         """
         if not units:
             return
+        cost = cost or _memory
         threads = self.threads
         main_threads = torch.get_num_threads()
         clock = time.perf_counter
         stats = self.stats
         if self.workers == 1 and self.device.type == "cpu":
+            stats.most_in_flight = max(stats.most_in_flight, 1)
             torch.set_num_threads(threads)  # this rank's share of the node's cores
             try:
                 for u in units:  # no thread: the simplest schedule, same results
@@ -183,28 +211,47 @@ class Executor:
             torch.set_num_threads(threads)  # per worker: the ranks' workers together use the cores once
 
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="inkling-unit", initializer=init)
-        pending: deque[tuple[Any, Future[T]]] = deque()
+        pending: deque[tuple[Any, int, Future[T]]] = deque()
         it = iter(units)
+        held: list[Any] = []  # the next item, when the budget held it back
+        in_flight = 0  # bytes of the pending items and of the one being handed out
+        handed_out = 0
+
+        def fill() -> None:
+            nonlocal in_flight
+            while len(pending) <= self.workers:
+                if not held:
+                    nxt = next(it, _END)
+                    if nxt is _END:
+                        return
+                    held.append(nxt)
+                c = max(0, int(cost(held[0])))
+                if (pending or handed_out) and in_flight + c > self.budget_bytes:
+                    return
+                u = held.pop()
+                pending.append((u, c, pool.submit(self._run_one, transform, u)))
+                in_flight += c
+                stats.most_in_flight = max(stats.most_in_flight, len(pending) + (1 if handed_out else 0))
+
         try:
             with oom_as_error():
-                for u in it:
-                    pending.append((u, pool.submit(self._run_one, transform, u)))
-                    if len(pending) > self.workers:
-                        break
+                fill()
                 while pending:
-                    u, fut = pending.popleft()
+                    u, c, fut = pending.popleft()
                     t = clock()
                     result = fut.result()
                     t1 = clock()
                     stats.wait_seconds += t1 - t
-                    nxt = next(it, None)
-                    if nxt is not None:
-                        pending.append((nxt, pool.submit(self._run_one, transform, nxt)))
+                    handed_out = c or 1  # counted until its result is handed back
+                    fill()
                     yield u, result
                     del result
+                    in_flight -= c
+                    handed_out = 0
+                    fill()
                     stats.sink_seconds += clock() - t1
         finally:
-            for _, fut in pending:
+            for _, _, fut in pending:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(main_threads)
@@ -279,10 +326,18 @@ class Executor:
         return {k: self.to_device(v) for k, v in parts.items()}
 
 
+_END = object()
+
+
+def _memory(item: Any) -> int:
+    return item.memory if isinstance(item, Unit) else 0
+
+
 def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every tensor of ``parts`` on the CPU (waits for the copies)."""
     return {k: (v if v.device.type == "cpu" else v.to("cpu")) for k, v in parts.items()}
 
 
-__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "MAX_DEFAULT_WORKERS", "MAX_DEFAULT_GPU_WORKERS", "cores",
+__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_MEMORY_BYTES", "MAX_DEFAULT_WORKERS",
+           "MAX_DEFAULT_GPU_WORKERS", "cores",
            "share_cores", "to_host"]

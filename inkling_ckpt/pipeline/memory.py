@@ -47,4 +47,17 @@ def steady_memory() -> None:
             libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
 
 
-__all__ = ["steady_memory"]
+def resident_bytes() -> int:
+    """This process's resident set now (Linux ``/proc/self/statm``; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+__all__ = ["steady_memory", "resident_bytes"]
