@@ -442,7 +442,8 @@ def test_megatron_to_hf_reads_stacked_layers(tmp_path, megatron):
     leading layer axis (tensors that exist on every layer); megatron-to-hf reads it as per-layer
     keys and gives the fixture back byte for byte."""
     from inkling_ckpt.convert.megatron import megatron_to_hf
-    from inkling_ckpt.layouts.megatron import ChunkItem, ObjectItem, common_state, finish_iteration_dir, write_dcp
+    from inkling_ckpt.layouts.megatron import ChunkItem, ObjectItem, common_state, finish_iteration_dir
+    from inkling_ckpt.layouts.megatron_writer import write_dcp
 
     ours = TorchDistCheckpoint.open(megatron["mixed"])
     L = HFCheckpoint.open(TINY["mixed"]).cfg.num_hidden_layers
@@ -482,7 +483,8 @@ def test_megatron_experts_must_be_bf16(tmp_path, megatron):
     """Experts stored in another dtype are refused by name (no implicit casts)."""
     from inkling_ckpt.convert.megatron import megatron_to_hf
     from inkling_ckpt.errors import CheckpointError
-    from inkling_ckpt.layouts.megatron import ChunkItem, common_state, finish_iteration_dir, write_dcp
+    from inkling_ckpt.layouts.megatron import ChunkItem, common_state, finish_iteration_dir
+    from inkling_ckpt.layouts.megatron_writer import write_dcp
 
     ours = TorchDistCheckpoint.open(megatron["bf16"])
     bad = "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"

@@ -337,7 +337,8 @@ def test_sha256_check_catches_flip_missing_extra_by_name(dims):
 
 
 def _torch_dist(folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    from inkling_ckpt.layouts.megatron import ChunkItem, common_state, finish_iteration_dir, write_dcp, write_tracker
+    from inkling_ckpt.layouts.megatron import ChunkItem, common_state, finish_iteration_dir, write_tracker
+    from inkling_ckpt.layouts.megatron_writer import write_dcp
 
     it = folder / "release"
     it.mkdir(parents=True)

@@ -36,7 +36,7 @@ from .. import __version__
 from ..errors import CheckpointError, PlanError
 from ..layouts.megatron import (
     CONFIG_KEY, RELEASE, ChunkItem, ObjectItem, TorchDistCheckpoint, check_reference_config, common_state,
-    empty_extra_state, finish_iteration_dir, stored_config, write_dcp, write_tracker,
+    empty_extra_state, finish_iteration_dir, stored_config, write_tracker,
 )
 from ..formats.stacked import UNQUANTIZED
 from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
@@ -185,6 +185,9 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
 
     def work(stage: Stage) -> None:
+        # DCP (seconds to import) only here: megatron-to-hf and the other readers never load it.
+        from ..layouts.megatron_writer import write_dcp
+
         folder = Path(stage.path) / RELEASE
         folder.mkdir(parents=True, exist_ok=True)
         total = sum(c.nbytes for c in my_chunks)
