@@ -249,7 +249,9 @@ def grid(args: argparse.Namespace) -> dict:
                       f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
                       + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
                       + "".join(f"  [r{r['rank']}: waited {r.get('wait_seconds', 0):.1f} s, sink {r.get('sink_seconds', 0):.1f} s"
-                                f" of {r['seconds']:.1f} s]" for r in m["rank_stats"]),
+                                f" of {r['seconds']:.1f} s"
+                                + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, {r['most_in_flight']} in flight"
+                                   if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
                       flush=True)
                 if command != "hf-to-megatron":
                     shutil.rmtree(out, ignore_errors=True)
