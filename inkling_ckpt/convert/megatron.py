@@ -25,7 +25,9 @@ the torch_dist folder ``metadata.json`` is written last.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -207,7 +209,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     ex.stats.bytes_written += n
                     ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
-                      key_order=order, map_items=ex.map)
+                      key_order=order, map_items=lambda items, build: ex.map(items, build, cost=_blob_bytes))
 
     def finish(stage: Stage, _: None) -> None:
         finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
@@ -223,6 +225,15 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     result.tensors = len(m.keys())
     result.bytes = sum(c.nbytes for c in chunks)
     return result
+
+
+def _blob_bytes(entry: tuple[int, Any]) -> int:
+    """Host bytes the writer's item ``(unit, WriteItem)`` holds in flight: its chunk's tensor (its
+    serialized blob is a view of it); 0 for an object (a few bytes)."""
+    data = entry[1].tensor_data
+    if data is None:
+        return 0
+    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
 
 
 def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:
@@ -294,19 +305,29 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
            "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
-    units = _plan_to_hf(m, specs, plan, ex.slice_bytes)
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, host_reorder=ex.device.type == "cpu")
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
                     files=files, force=force)
 
 
-def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
+def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
+                host_reorder: bool = True) -> list[Unit]:
     """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
     rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
     torch_dist chunks)."""
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
-    return release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
+    units = release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
+    if not host_reorder:  # on a GPU the slice is reordered there: the host holds what is read and written
+        return units
+    # On the CPU an expert slice is held twice while reordered to the HF layout (the stored one, then its copy).
+    return [dataclasses.replace(u, hold_bytes=2 * u.read_bytes + u.write_bytes) if _is_expert_unit(u) else u
+            for u in units]
+
+
+def _is_expert_unit(unit: Unit) -> bool:
+    return isinstance(unit.data, tuple) and bool(unit.data) and isinstance(unit.data[0], ExpertStack)
 
 
 def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,
@@ -314,7 +335,7 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
     by_hf = {e.hf: e for e in m.entries()}
 
     def run(unit: Unit) -> dict[str, torch.Tensor]:
-        if isinstance(unit.data, tuple) and unit.data and isinstance(unit.data[0], ExpertStack):
+        if _is_expert_unit(unit):
             stack, a, b = unit.data
             e = by_hf[stack.name]
             # One expression: the stored slice is freed once reordered to the HF layout (a copy).
