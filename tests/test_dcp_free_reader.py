@@ -3,8 +3,8 @@ as DCP itself does.
 
 Importing DCP pulls in DTensor, sympy and symbolic shapes (1.3 s on the 2-core box, 2.6-2.8 s on a
 GPU node) and reading needs none of it: the reader's unpickler resolves DCP's names to the
-toolkit's own records (``layouts.dcp_records``). Only writing (``layouts.megatron_writer``) imports
-DCP. Differential: what ``read_dcp_metadata`` makes of a ``.metadata`` is compared with DCP's own
+toolkit's own records (``layouts.dcp_records``). Only writing (``layouts.megatron_dcp``, for
+``.metadata``) imports DCP. Differential: what ``read_dcp_metadata`` makes of a ``.metadata`` is compared with DCP's own
 ``FileSystemReader.read_metadata`` on a stock ``dcp.save`` and on our hf-to-megatron output.
 """
 
@@ -204,6 +204,15 @@ def test_reading_and_megatron_to_hf_never_import_dcp(ours, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "loaded: []" in r.stdout, r.stdout
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+
+
+def test_the_torch_dist_data_writer_imports_dcp_only_on_its_background_thread():
+    """hf-to-megatron writes its data while DCP imports on another thread: the data writer's own
+    module must not import DCP (else its import would be paid before the first byte again)."""
+    code = ("import sys; import inkling_ckpt.layouts.megatron_writer, inkling_ckpt.convert.megatron; "
+            "print('loaded:', sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))")
+    r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True)
+    assert r.returncode == 0 and "loaded: []" in r.stdout, r.stdout + r.stderr
 
 
 def test_unknown_memory_format_code_is_refused(tmp_path):

@@ -438,6 +438,27 @@ def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path)
     assert same_files(ref, out) == []
 
 
+@pytest.mark.parametrize("layer,byte", [(0, 0x7F), (3, 0xFF)])  # a NaN block scale: NVFP4 (E4M3), MXFP8 (E8M0)
+def test_bad_data_on_one_rank_of_hf_to_megatron_stops_every_rank_with_its_message(cli, tmp_path, layer, byte):
+    """hf-to-megatron writes its data before DCP's collective step: a rank whose data fails must still
+    reach that step, so every rank stops with the first rank's one-line error (none waits for a
+    collective the failed rank never joins), and nothing is published."""
+    import shutil
+
+    from test_bad_inputs import _poison_scale
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    shutil.copytree(TINY["mixed"], src)
+    _poison_scale(src, layer, byte)  # in one layer: only the rank converting it fails
+    r = _torchrun([["convert", "hf-to-megatron", str(src), str(out), "-q", "--device", "cpu"]], tmp_path)
+    codes = re.findall(r"RANK (\d) EXIT (\d+)", r.stdout)
+    assert len(codes) == 2 and all(c != "0" for _, c in codes), r.stdout
+    # Each rank's own one line (torchrun adds its ChildFailedError report after them).
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("inkling-ckpt: error:")]
+    assert len(said) == 2 and all(f"layers.{layer}.mlp.experts.w13_weight_scale" in ln for ln in said), r.stderr[-3000:]
+    assert not out.exists()
+
+
 def test_a_gpu_out_of_memory_is_one_line_naming_the_slice_option_and_publishes_nothing(cli, tmp_path, monkeypatch):
     from inkling_ckpt.convert import requantize as rq
 

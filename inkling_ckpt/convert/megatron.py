@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -187,8 +186,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
 
     def work(stage: Stage) -> None:
-        # DCP (seconds to import) only here: megatron-to-hf and the other readers never load it.
-        from ..layouts.megatron_writer import write_dcp
+        from ..layouts.megatron_writer import write_dcp  # imports DCP (seconds) in the background
 
         folder = Path(stage.path) / RELEASE
         folder.mkdir(parents=True, exist_ok=True)
@@ -227,13 +225,10 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     return result
 
 
-def _blob_bytes(entry: tuple[int, Any]) -> int:
-    """Host bytes the writer's item ``(unit, WriteItem)`` holds in flight: its chunk's tensor (its
-    serialized blob is a view of it); 0 for an object (a few bytes)."""
-    data = entry[1].tensor_data
-    if data is None:
-        return 0
-    return math.prod(data.chunk.sizes) * data.properties.dtype.itemsize
+def _blob_bytes(item: ChunkItem | ObjectItem) -> int:
+    """Host bytes a chunk or object holds in flight: the chunk's tensor (its serialized blob is a
+    view of it); 0 for an object (a few bytes)."""
+    return item.nbytes if isinstance(item, ChunkItem) else 0
 
 
 def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:

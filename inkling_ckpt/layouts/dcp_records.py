@@ -11,7 +11,7 @@ Pickle builds them without calling ``__init__`` (``__new__``, then the pickled s
 ``__dict__``), so nothing here checks its fields; the reader checks what it relies on after the
 load. :class:`TensorProperties` takes DCP's tuple state through its own ``__setstate__``, which
 accepts only the three memory-format codes. The enums carry DCP's values, which is what a pickle
-holds of a member. Writing ``.metadata`` keeps DCP's own classes (``layouts.megatron_writer``).
+holds of a member. Writing ``.metadata`` keeps DCP's own classes (``layouts.megatron_dcp``).
 """
 
 from __future__ import annotations

@@ -10,11 +10,11 @@ The folder (``shared/spec/megatron.md``; facts in ``shared/reference/megatron.md
 
 A ``.distcp`` file is a sequence of independent ``torch.save`` blobs, one per stored chunk or
 object; ``.metadata`` maps ``MetadataIndex(key, chunk offsets)`` to ``(file, offset, length)``.
-Everything is written through ``torch.distributed.checkpoint`` (:mod:`.megatron_writer`, the one
-module that imports it): :func:`dcp.save` runs the (collective, under torchrun) planning and writes
-``.metadata``; our planner produces each chunk only when the storage writer asks for it (lazy, one
-at a time), and our storage writer puts each unit's chunks into its own file, finished by an atomic
-rename and recorded in a small sidecar so an interrupted conversion resumes unit by unit. File
+The writer (:mod:`.megatron_writer`) builds the chunks lazily, as they are written, and puts each
+unit's chunks into its own file, finished by an atomic rename and recorded in a small sidecar so an
+interrupted conversion resumes unit by unit; then ``torch.distributed.checkpoint``'s
+:func:`dcp.save` (:mod:`.megatron_dcp`, the one module that imports it) runs the (collective, under
+torchrun) planning over what was written and writes ``.metadata``. File
 names depend on the unit, not on the rank, and ``.metadata`` is written in a canonical order, so a
 one-process and an N-process conversion write the same bytes. Blobs are saved without zip CRC32s
 (``torch.load`` never checks them; computing them cost more than the writing); instead each data
