@@ -186,7 +186,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
 
     def work(stage: Stage) -> None:
-        from ..layouts.megatron_writer import write_dcp  # imports DCP (seconds) in the background
+        from ..layouts.megatron_writer import write_dcp  # it imports DCP (seconds): only this command needs it
 
         folder = Path(stage.path) / RELEASE
         folder.mkdir(parents=True, exist_ok=True)

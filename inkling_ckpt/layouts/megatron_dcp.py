@@ -1,9 +1,8 @@
 """The ``torch.distributed.checkpoint`` (DCP) side of writing a torch_dist checkpoint: its planning
 and ``.metadata``, over data :mod:`.megatron_writer` has already written.
 
-Only this module imports DCP (DTensor, sympy: seconds), and :mod:`.megatron_writer` imports it on
-a background thread while the data is written, so neither reading a torch_dist checkpoint nor
-the data of writing one waits for it. :func:`dcp.save` runs the (collective, under torchrun)
+Only this module imports DCP (DTensor, sympy: seconds): reading a torch_dist checkpoint never
+does. :func:`dcp.save` runs the (collective, under torchrun)
 planning and writes ``.metadata`` with DCP's own classes, in a canonical order.
 """
 

@@ -2,12 +2,12 @@
 
 What it writes is described in :mod:`inkling_ckpt.layouts.megatron`, which also holds the reader
 and the chunk and object records. :func:`write_dcp` writes the data first: every unit's file,
-its checksums and its resume record, with no ``torch.distributed.checkpoint`` (DCP) involved.
-DCP (DTensor, sympy: 1.3 s to import on the 2-core box, 2.6–2.8 s on the H200 machine) is imported
-meanwhile on a background thread (:mod:`.megatron_dcp`); once the data is on disk, :func:`dcp.save`
-runs its (collective, under torchrun) planning over the written records and writes ``.metadata``
-with DCP's own classes. A rank whose data failed still takes part, and raises its error there, so
-every rank stops with it (as when DCP drove the writing).
+its checksums and its resume record, with no ``torch.distributed.checkpoint`` (DCP) involved;
+once the data is on disk, :func:`dcp.save` (:mod:`.megatron_dcp`, the one module importing DCP:
+DTensor, sympy, 1.3 s on the 2-core box, 2.6–2.8 s on the H200 machine) runs its (collective,
+under torchrun) planning over the written records and writes ``.metadata`` with DCP's own
+classes. A rank whose data failed still takes part, and raises its error there, so every rank
+stops with it (as when DCP drove the writing).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import hashlib
 import importlib
 import json
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,7 +53,10 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
     bytes). ``map_items(items, fn)`` yields ``(item, fn(item))`` in order, building items ahead
     (the pipeline executor's ``map``: worker threads, the device); default: one read-ahead thread.
     """
-    dcp_part = _Importing(__package__ + ".megatron_dcp")  # while the data is written
+    # Imported here, before the data, not on a thread beside it: on the H200 machine an import thread
+    # (pure Python for seconds, holding the GIL) slowed the data writing's threads by more than the
+    # import itself took (hf-to-megatron 14.4 → 18.4 s on a 4-layer grid).
+    dcp_part = importlib.import_module(__package__ + ".megatron_dcp")
     import torch.distributed as dist
 
     distributed = dist.is_available() and dist.is_initialized()
@@ -67,7 +69,7 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
         if not distributed:
             raise
         error = e  # raised again inside DCP's collective write step, so every rank stops with it
-    dcp_part.result().save_metadata(folder, chunks, objects, written, error, save_id=save_id, key_order=key_order,
+    dcp_part.save_metadata(folder, chunks, objects, written, error, save_id=save_id, key_order=key_order,
                                     process_group=process_group, no_dist=not distributed)
     return resumed
 
@@ -200,29 +202,6 @@ def _read_sidecar(path: Path, name: str, items: Sequence[ChunkItem | ObjectItem]
     except (TypeError, ValueError):
         return None
     return None if want else out
-
-
-class _Importing:
-    """A module imported on a background thread; :meth:`result` waits for it (and raises its error)."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._module: Any = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="inkling-import", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._module = importlib.import_module(self._name)
-        except BaseException as e:  # handed to the caller in result()
-            self._error = e
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._module
 
 
 def _unit_file(unit: int, suffix: str = "") -> str:
