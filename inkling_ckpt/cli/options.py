@@ -110,7 +110,7 @@ WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
                             "torchrun the ranks on one node split its cores.")
 MEMORY_MB = typer.Option(768, "--memory-mb", min=1, metavar="MIB",
                          help="Host memory the units in flight may hold together (what they read and write; at least one "
-                              "unit always runs): with the process's own size (~0.25 GiB with torch on the CPU, ~0.7 GiB "
+                              "unit always runs): with the process's own size (~0.25 GiB with torch on the CPU, ~0.6 GiB "
                               "with CUDA) it bounds peak memory. Raise it on a big node to keep more units in flight.")
 READ_PRESET = typer.Option(None, "--preset",
                            help="Megatron key layout of SRC: miles or bridge. Default: the one SRC records (inkling-ckpt "

@@ -33,8 +33,8 @@ T = TypeVar("T")
 
 #: BF16 bytes of routed experts one unit handles (at least one expert): the slice budget.
 DEFAULT_SLICE_BYTES = 64 * 2**20
-#: Parallel transforms at most by default: each holds a few copies of its slice, so this bounds
-#: memory (~1 GiB with real-size experts) more than the cores do.
+#: Parallel transforms at most by default on the CPU: each holds a few copies of its slice (the
+#: memory budget, DEFAULT_MEMORY_BYTES, bounds what they hold together whatever their number).
 MAX_DEFAULT_WORKERS = 4
 #: The same on a GPU, where a transform holds its slice on the host only while reading, checking
 #: and serializing it: the host work (reads, sha256, copies) wants more of them. On the H200
