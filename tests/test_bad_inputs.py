@@ -414,6 +414,20 @@ def torch_dist_chunks_overlap_but_volumes_add_up(tmp, built):
 
 
 @case
+def torch_dist_empty_tensor_with_chunks(tmp, built):
+    """A tensor declared empty (a zero in its size) may only be one whole chunk: an empty tensor is
+    read without data, so any chunk of it that points at bytes is a damaged or crafted entry."""
+    m = copy(built["megatron"], tmp / "m")
+    md = load_metadata(m)
+    key, v = _multi_chunk_key(md)
+    v.size = torch.Size([0, *v.size[1:]])
+    with open(release(m) / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    return Bad(["convert", "megatron-to-hf", m, tmp / "out", "--reference", BF16, "-q"], "one whole chunk", ".metadata",
+               inputs=[m], dst=tmp / "out")
+
+
+@case
 def distcp_bit_flip(tmp, built):
     m = copy(built["megatron"], tmp / "m")
     data = max(release(m).glob("*.distcp"), key=lambda p: p.stat().st_size)

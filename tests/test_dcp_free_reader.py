@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import pickle
 import subprocess
 import sys
@@ -119,14 +120,20 @@ def test_stock_dcp_save_reads_as_dcp_reads_it(stock):
 
 
 def test_stock_dcp_save_of_an_empty_tensor_reads_as_dcp_reads_it(tmp_path):
-    """The metadata only: TorchDistCheckpoint.open refuses a zero-size chunk (its tiling check)."""
+    """An empty tensor is one chunk of its whole (empty) shape: the metadata reads as DCP reads it,
+    and the folder opens and reads (the tiling check once refused any chunk with a zero size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
     with pytest.warns(UserWarning, match="torch.distributed is disabled"):
-        dcp.save({"empty": torch.empty(0, 3, dtype=torch.float16)}, storage_writer=FileSystemWriter(tmp_path),
-                 no_dist=True)
+        dcp.save({"empty": torch.empty(0, 3, dtype=torch.float16), "w": torch.ones(2, 3)},
+                 storage_writer=FileSystemWriter(tmp_path), no_dist=True)
     _same_as_dcp(tmp_path)
+    (tmp_path / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    got = ckpt.read("empty")
+    assert got.shape == (0, 3) and got.dtype == torch.float16
+    assert torch.equal(ckpt.read("w"), torch.ones(2, 3))
 
 
 def test_our_hf_to_megatron_output_reads_as_dcp_reads_it(ours):

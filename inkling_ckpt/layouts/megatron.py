@@ -587,6 +587,10 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     total, got = 1, 0
     for n in st.shape:
         total *= n
+    if total == 0:  # an empty tensor (a zero in its shape): DCP stores it as one chunk, the whole of it
+        if [(tuple(o), tuple(z)) for o, z in st.chunks] != [((0,) * len(st.shape), tuple(st.shape))]:
+            raise CheckpointError(f"{where}: the empty tensor {st.key} {list(st.shape)} is not stored as one whole chunk")
+        return
     boxes = []
     for off, size in st.chunks:
         if len(off) != len(st.shape) or len(size) != len(st.shape) \
