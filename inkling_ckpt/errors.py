@@ -56,5 +56,5 @@ class AdapterError(CheckpointError):
 
 
 class DeviceError(InklingError):
-    """The requested device cannot run the job: no usable GPU for ``--device cuda``, or the GPU ran
-    out of memory (the message names the option that shrinks the slice)."""
+    """The requested device cannot run the job: no usable GPU for ``--device cuda``, or the GPU or
+    the host ran out of memory (the message names the option that shrinks what is in flight)."""

@@ -474,6 +474,38 @@ def test_a_gpu_out_of_memory_is_one_line_naming_the_slice_option_and_publishes_n
     assert not (tmp_path / "q").exists() and not (tmp_path / ".q.inkling-partial").exists()
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("error", [
+    MemoryError(),
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                 "tried to allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)"),
+])
+def test_a_host_out_of_memory_is_one_line_naming_the_memory_budget_and_publishes_nothing(cli, tmp_path, monkeypatch,
+                                                                                         error, workers):
+    from inkling_ckpt.convert import requantize as rq
+
+    def out_of_memory(*a, **k):
+        def run(unit):
+            raise error
+        return run
+
+    monkeypatch.setattr(rq, "transform", out_of_memory)
+    code, out, err = cli("quantize", TINY["bf16"], tmp_path / "q", "--plan", "mxfp8", "-q", "--device", "cpu",
+                         "--workers", workers)
+    assert code != 0
+    assert err.strip().count("\n") == 0 and "host ran out of memory" in err and "--memory-mb" in err, err
+    assert not (tmp_path / "q").exists() and not (tmp_path / ".q.inkling-partial").exists()
+
+
+def test_another_runtime_error_in_a_transform_is_not_called_out_of_memory():
+    def broken(u):
+        raise RuntimeError("something else")
+
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    with pytest.raises(RuntimeError, match="something else"):
+        list(ex.map([Unit(key="a"), Unit(key="b")], broken))
+
+
 def test_dry_run_estimates_time_from_the_rates_this_machine_measured(cli, tmp_path, monkeypatch):
     from inkling_ckpt.pipeline.estimate import save_rates
 

@@ -62,11 +62,22 @@ def _local_gpu() -> torch.device:
 
 @contextmanager
 def oom_as_error(option: str = "--slice-mb") -> Iterator[None]:
-    """Turn a GPU out-of-memory into one :class:`DeviceError` line naming the option that shrinks the slice."""
+    """Turn a GPU or host out-of-memory into one :class:`DeviceError` line naming the option that
+    shrinks what is in flight (the slice on the GPU; the memory budget on the host)."""
     try:
         yield
     except torch.cuda.OutOfMemoryError:
         raise DeviceError(f"the GPU ran out of memory; pass a smaller {option} (or --workers 1), or --device cpu") from None
+    except (MemoryError, RuntimeError) as e:
+        # torch's CPU allocator fails with a plain RuntimeError; Python's own with MemoryError.
+        if isinstance(e, RuntimeError) and _HOST_OOM not in str(e):
+            raise
+        raise DeviceError("the host ran out of memory; pass a smaller --memory-mb (or --workers 1, a smaller "
+                          "--slice-mb)") from None
+
+
+#: What torch's CPU allocator says when an allocation fails.
+_HOST_OOM = "DefaultCPUAllocator: can't allocate memory"
 
 
 def peak_gpu_bytes(device: torch.device) -> int:

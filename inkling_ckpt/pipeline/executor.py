@@ -197,7 +197,8 @@ class Executor:
             try:
                 for u in units:  # no thread: the simplest schedule, same results
                     t = clock()
-                    r = transform(u)
+                    with oom_as_error():
+                        r = transform(u)
                     t1 = clock()
                     stats.wait_seconds += t1 - t
                     yield u, r
