@@ -42,12 +42,12 @@ from ..layouts.megatron import (
 from ..formats.stacked import UNQUANTIZED
 from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
 from ..layouts.torch_dist_release import check_same_model, check_torch_dist, dense_rows, mapping_for
-from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory, is_vision
+from ..model.inventory import TensorSpec, expert_stacks, inventory, is_vision
 from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES
 from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
-    Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate,
+    Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate, expert_slice,
     release_units, run_staged, to_host, write_hf,
 )
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
@@ -317,12 +317,8 @@ def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan
     if not host_reorder:  # on a GPU the slice is reordered there: the host holds what is read and written
         return units
     # On the CPU an expert slice is held twice while reordered to the HF layout (the stored one, then its copy).
-    return [dataclasses.replace(u, hold_bytes=2 * u.read_bytes + u.write_bytes) if _is_expert_unit(u) else u
+    return [dataclasses.replace(u, hold_bytes=2 * u.read_bytes + u.write_bytes) if expert_slice(u) is not None else u
             for u in units]
-
-
-def _is_expert_unit(unit: Unit) -> bool:
-    return isinstance(unit.data, tuple) and bool(unit.data) and isinstance(unit.data[0], ExpertStack)
 
 
 def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,
@@ -330,8 +326,9 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
     by_hf = {e.hf: e for e in m.entries()}
 
     def run(unit: Unit) -> dict[str, torch.Tensor]:
-        if _is_expert_unit(unit):
-            stack, a, b = unit.data
+        sl = expert_slice(unit)
+        if sl is not None:
+            stack, a, b = sl
             e = by_hf[stack.name]
             # One expression: the stored slice is freed once reordered to the HF layout (a copy).
             w = m.to_hf(e.key, ex.to_device(reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))

@@ -23,7 +23,8 @@ from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
-    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, release_units, to_host, write_hf,
+    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, expert_slice, release_units, to_host,
+    write_hf,
 )
 from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -132,9 +133,10 @@ def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex
     in_stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
 
     def run(unit: Unit) -> dict[str, torch.Tensor]:
-        if not isinstance(unit.data, tuple) or not unit.data or not isinstance(unit.data[0], ExpertStack):
+        sl = expert_slice(unit)
+        if sl is None:
             return read_dense(src, unit.pieces)
-        out, first, last = unit.data
+        out, first, last = sl
         inp = in_stacks[out.name]
         if out.fmt == inp.fmt:
             got = read_parts(src, inp, first, last)  # same format: the stored bytes as they are

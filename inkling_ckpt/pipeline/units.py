@@ -99,6 +99,14 @@ def stack_units(stack: ExpertStack, slice_bytes: int, layers: int, *, read_bytes
 
 
 
+def expert_slice(unit: Unit) -> tuple[ExpertStack, int, int] | None:
+    """``(stack, first, last)`` of a unit :func:`stack_units` made (a slice of a layer's experts), else None."""
+    d = unit.data
+    if isinstance(d, tuple) and len(d) == 3 and isinstance(d[0], ExpertStack):
+        return d
+    return None
+
+
 def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack], slice_bytes: int, layers: int, *,
                   stack_read_bytes: Mapping[str, int], row_reads: bool = True,
                   read_bytes: Callable[[TensorSpec], int] | None = None) -> list[Unit]:
@@ -122,4 +130,4 @@ def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack]
     return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads, read_bytes=read_bytes)
 
 
-__all__ = ["expert_slices", "where_of", "dense_units", "stack_units", "release_units"]
+__all__ = ["expert_slices", "expert_slice", "where_of", "dense_units", "stack_units", "release_units"]

@@ -77,7 +77,7 @@ from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
 from ..units import fmt_bytes, ranks_phrase
-from ..pipeline import Executor, Options, Unit, all_ok, assign, gather, release_units
+from ..pipeline import Executor, Options, Unit, all_ok, assign, expert_slice, gather, release_units
 
 SCHEMA = "inkling-ckpt/verify/1"
 DENSE = "dense"
@@ -339,8 +339,9 @@ def transform(a: Any, b: Any, ex: Executor) -> Callable[[Unit], list[Entry]]:
     stacks_b = {st.name: st for st in expert_stacks(b.cfg, b.plan)}
 
     def run(unit: Unit) -> list[Entry]:
-        if isinstance(unit.data, tuple) and unit.data and isinstance(unit.data[0], ExpertStack):
-            sa, first, last = unit.data
+        sl = expert_slice(unit)
+        if sl is not None:
+            sa, first, last = sl
             return _compare_experts(a, b, sa, stacks_b[sa.name], first, last, ex)
         return [_compare_dense(a, b, piece, ex) for piece in unit.pieces]
     return run
