@@ -13,7 +13,6 @@ stops with it (as when DCP drove the writing).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +55,9 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
     # Imported here, before the data, not on a thread beside it: on the H200 machine an import thread
     # (pure Python for seconds, holding the GIL) slowed the data writing's threads by more than the
     # import itself took (hf-to-megatron 14.4 → 18.4 s on a 4-layer grid).
-    dcp_part = importlib.import_module(__package__ + ".megatron_dcp")
     import torch.distributed as dist
+
+    from .megatron_dcp import save_metadata
 
     distributed = dist.is_available() and dist.is_initialized()
     error: Exception | None = None
@@ -69,8 +69,8 @@ def write_dcp(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Objec
         if not distributed:
             raise
         error = e  # raised again inside DCP's collective write step, so every rank stops with it
-    dcp_part.save_metadata(folder, chunks, objects, written, error, save_id=save_id, key_order=key_order,
-                                    process_group=process_group, no_dist=not distributed)
+    save_metadata(folder, chunks, objects, written, error, save_id=save_id, key_order=key_order,
+                  process_group=process_group, no_dist=not distributed)
     return resumed
 
 
@@ -134,8 +134,9 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
                 f.write(part)
             length = f.tell() - start
             sums.append(f"{start} {length} {blob.hexdigest()}\n")
-            results.append((item_index(item), start, length))
-            done[item_index(item)] = (_unit_file(current), start, length)
+            index = item_index(item)
+            results.append((index, start, length))
+            done[index] = (_unit_file(current), start, length)
             if blob.tensor_bytes:
                 on_written(blob.tensor_bytes, current, False)
             del blob

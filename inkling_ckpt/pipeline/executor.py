@@ -216,7 +216,7 @@ class Executor:
         it = iter(units)
         held: list[Any] = []  # the next item, when the budget held it back
         in_flight = 0  # bytes of the pending items and of the one being handed out
-        handed_out = 0
+        handing_out = False  # a result is with the caller (its bytes stay counted until it comes back)
 
         def fill() -> None:
             nonlocal in_flight
@@ -227,12 +227,12 @@ class Executor:
                         return
                     held.append(nxt)
                 c = max(0, int(cost(held[0])))
-                if (pending or handed_out) and in_flight + c > self.budget_bytes:
+                if (pending or handing_out) and in_flight + c > self.budget_bytes:
                     return
                 u = held.pop()
                 pending.append((u, c, pool.submit(self._run_one, transform, u)))
                 in_flight += c
-                stats.most_in_flight = max(stats.most_in_flight, len(pending) + (1 if handed_out else 0))
+                stats.most_in_flight = max(stats.most_in_flight, len(pending) + handing_out)
 
         try:
             with oom_as_error():
@@ -243,12 +243,12 @@ class Executor:
                     result = fut.result()
                     t1 = clock()
                     stats.wait_seconds += t1 - t
-                    handed_out = c or 1  # counted until its result is handed back
+                    handing_out = True
                     fill()
                     yield u, result
                     del result
                     in_flight -= c
-                    handed_out = 0
+                    handing_out = False
                     fill()
                     stats.sink_seconds += clock() - t1
         finally:
