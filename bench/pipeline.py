@@ -142,10 +142,12 @@ def cli(ranks: int) -> list[str]:
             "-m", "inkling_ckpt"]
 
 
-def flags(device: str, args: argparse.Namespace) -> list[str]:
+def flags(device: str, args: argparse.Namespace, memory_mb: int = 0) -> list[str]:
     if args.legacy:
         return ["-q"]
     out = ["-q", "--json", "--device", device]
+    if memory_mb:
+        out += ["--memory-mb", str(memory_mb)]
     if args.slice_mb:
         out += ["--slice-mb", str(args.slice_mb)]
     if args.workers:
@@ -214,51 +216,54 @@ def grid(args: argparse.Namespace) -> dict:
     print(f"plain read + write of {res['fixture_bytes']['bf16'] / 1e9:.2f} GB: {before['seconds']:.1f} s = "
           f"{before['mb_s']:.0f} MB/s (read + write)", flush=True)
     digests: dict[str, str] = {}
-    for device in args.devices:
-        for ranks in args.ranks:
-            for command in args.commands:
-                out = work / f"out-{command}"
-                cmd_args, inputs = step_args(command, src, out, args.layers, args.max_shard_size)
-                if command == "hf-to-megatron":
-                    out = src["mg"]
-                    cmd_args[3] = str(out)
-                for p in (out, out.parent / f".{out.name}.inkling-partial"):
-                    shutil.rmtree(p, ignore_errors=True)
-                for p in out.parent.glob(f".{out.name}.inkling-done.json"):
-                    p.unlink()
-                m = measured(profiled(cli(ranks) + cmd_args + flags(device, args), args.profile,
-                                      f"{command}-{device}-x{ranks}"), code, *inputs)
-                nread, nwritten = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]]), folder_bytes(out)
-                m.update({"command": command, "device": device, "ranks": ranks, "bytes_read": nread,
-                          "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
-                m["share_of_plain"] = m["mb_s"] / before["mb_s"]
-                # The same bytes over the slowest rank's time in its executor: the rate once running,
-                # without process start (imports), planning and exit, which a 394 GB job does not notice.
-                busy = max((r["seconds"] for r in m["rank_stats"]), default=0.0)
-                m["steady_share_of_plain"] = (nread + nwritten) / busy / 1e6 / before["mb_s"] if busy else None
-                # What the wall time holds besides the executor: imports, CUDA, planning, publishing, exit.
-                # It does not depend on the disk, so it compares across machines that run at other rates.
-                m["fixed_seconds"] = m["seconds"] - busy if busy else None
-                if args.check_bytes:
-                    d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
-                    m["same_bytes_as_first"] = digests.setdefault(command, d) == d
-                    m["digest"] = d  # compare across runs (another checkout, another machine)
-                res["steps"].append(m)
-                write_json(res, args, partial=True)
-                print(f"  {command:15s} {device:4s} x{ranks}: {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
-                      f"{m['share_of_plain']:4.0%} of plain"
-                      + (f" ({m['steady_share_of_plain']:4.0%} running, fixed {m['fixed_seconds']:.1f} s)"
-                         if m["steady_share_of_plain"] else "")
-                      + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
-                      f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
-                      + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
-                      + "".join(f"  [r{r['rank']}: waited {r.get('wait_seconds', 0):.1f} s, sink {r.get('sink_seconds', 0):.1f} s"
-                                f" of {r['seconds']:.1f} s"
-                                + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, {r['most_in_flight']} in flight"
-                                   if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
-                      flush=True)
-                if command != "hf-to-megatron":
-                    shutil.rmtree(out, ignore_errors=True)
+    combos = [(d, r, mb) for d in args.devices for r in args.ranks for mb in args.memory_mb]
+    for device, ranks, memory_mb in combos:
+        for command in args.commands:
+            out = work / f"out-{command}"
+            cmd_args, inputs = step_args(command, src, out, args.layers, args.max_shard_size)
+            if command == "hf-to-megatron":
+                out = src["mg"]
+                cmd_args[3] = str(out)
+            for p in (out, out.parent / f".{out.name}.inkling-partial"):
+                shutil.rmtree(p, ignore_errors=True)
+            for p in out.parent.glob(f".{out.name}.inkling-done.json"):
+                p.unlink()
+            label = f"{command}-{device}-x{ranks}" + (f"-{memory_mb}mb" if memory_mb else "")
+            m = measured(profiled(cli(ranks) + cmd_args + flags(device, args, memory_mb), args.profile, label),
+                         code, *inputs)
+            nread, nwritten = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]]), folder_bytes(out)
+            m.update({"command": command, "device": device, "ranks": ranks, "memory_mb": memory_mb, "bytes_read": nread,
+                      "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
+            m["share_of_plain"] = m["mb_s"] / before["mb_s"]
+            # The same bytes over the slowest rank's time in its executor: the rate once running,
+            # without process start (imports), planning and exit, which a 394 GB job does not notice.
+            busy = max((r["seconds"] for r in m["rank_stats"]), default=0.0)
+            m["steady_share_of_plain"] = (nread + nwritten) / busy / 1e6 / before["mb_s"] if busy else None
+            # What the wall time holds besides the executor: imports, CUDA, planning, publishing, exit.
+            # It does not depend on the disk, so it compares across machines that run at other rates.
+            m["fixed_seconds"] = m["seconds"] - busy if busy else None
+            if args.check_bytes:
+                d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
+                m["same_bytes_as_first"] = digests.setdefault(command, d) == d
+                m["digest"] = d  # compare across runs (another checkout, another machine)
+            res["steps"].append(m)
+            write_json(res, args, partial=True)
+            print(f"  {command:15s} {device:4s} x{ranks}" + (f" {memory_mb} MiB" if memory_mb else "")
+                  + f": {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
+                  f"{m['share_of_plain']:4.0%} of plain"
+                  + (f" ({m['steady_share_of_plain']:4.0%} running, fixed {m['fixed_seconds']:.1f} s)"
+                     if m["steady_share_of_plain"] else "")
+                  + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
+                  f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
+                  + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
+                  + "".join(f"  [r{r['rank']}: waited {r.get('wait_seconds', 0):.1f} s, sink {r.get('sink_seconds', 0):.1f} s"
+                            f" of {r['seconds']:.1f} s"
+                            + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, budget "
+                               f"{r.get('budget_bytes', 0) / 2**20:.0f} MiB, {r['most_in_flight']} in flight"
+                               if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
+                  flush=True)
+            if command != "hf-to-megatron":
+                shutil.rmtree(out, ignore_errors=True)
     after = plain_fig(src["bf16"], work)
     res["plain"] = max(before, after, key=lambda f: f["mb_s"])
     res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
@@ -350,6 +355,8 @@ def main() -> None:
     ap.add_argument("--ranks", nargs="+", type=int, default=[1], help="grid: ranks (torchrun --nproc_per_node)")
     ap.add_argument("--slice-mb", type=int, default=0, help="pass --slice-mb (0: the commands' default)")
     ap.add_argument("--workers", type=int, default=0, help="pass --workers (0: the commands' default)")
+    ap.add_argument("--memory-mb", type=int, nargs="+", default=[0],
+                    help="grid: --memory-mb values to run each combination with (0: the commands' default)")
     ap.add_argument("--max-shard-size", default="2GB", help="output shard size of the HF-writing steps")
     ap.add_argument("--no-check-bytes", dest="check_bytes", action="store_false",
                     help="grid: skip hashing each output to compare it with the first combination's")

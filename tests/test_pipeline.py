@@ -154,6 +154,20 @@ def test_units_in_flight_stay_within_the_memory_budget():
     assert wide.stats.most_in_flight == 8  # as before the budget: workers + 1 queued, and the one being written
 
 
+def test_the_default_budget_keeps_the_process_near_one_gib():
+    """--memory-mb 0: the budget is what is left of 1 GiB beside the process's own size at the
+    start (less what a run holds uncounted), never under 256 MiB nor over 768 MiB."""
+    from inkling_ckpt.pipeline.executor import default_budget
+
+    mib = 2**20
+    assert default_budget(240 * mib) == 720 * mib  # torch's CPU build
+    assert default_budget(610 * mib) == 350 * mib  # a CUDA build with CUDA up
+    assert default_budget(100 * mib) == 768 * mib and default_budget(900 * mib) == 256 * mib
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    assert ex.budget_bytes == default_budget(ex.stats.start_rss_bytes) == ex.stats.budget_bytes
+    assert Executor(Options(device="cpu", progress=False, memory_bytes=5 * mib)).budget_bytes == 5 * mib
+
+
 def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():
     units = [Unit(key="small", read_bytes=10), Unit(key="huge", read_bytes=10**9, hold_bytes=0), Unit(key="after")]
     ex = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100))

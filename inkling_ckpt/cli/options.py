@@ -108,10 +108,11 @@ SLICE_MB = typer.Option(64, "--slice-mb", min=1, metavar="MIB",
 WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
                        help="Units transformed at once (0: one per core, at most 4 on the CPU and 8 on a GPU, at least 2 on a GPU). Under "
                             "torchrun the ranks on one node split its cores.")
-MEMORY_MB = typer.Option(768, "--memory-mb", min=1, metavar="MIB",
+MEMORY_MB = typer.Option(0, "--memory-mb", min=0, metavar="MIB",
                          help="Host memory the units in flight may hold together (what they read and write; at least one "
-                              "unit always runs): with the process's own size (~0.25 GiB with torch on the CPU, ~0.6 GiB "
-                              "with CUDA) it bounds peak memory. Raise it on a big node to keep more units in flight.")
+                              "unit always runs). 0 (default): what keeps the whole process near 1 GiB beside its own size "
+                              "at the start (~0.25 GiB with torch on the CPU, ~0.6 GiB with CUDA up), 256-768 MiB. Raise "
+                              "it on a big node to keep more units in flight.")
 READ_PRESET = typer.Option(None, "--preset",
                            help="Megatron key layout of SRC: miles or bridge. Default: the one SRC records (inkling-ckpt "
                                 "writes it into common.pt), else the one whose keys SRC holds.")

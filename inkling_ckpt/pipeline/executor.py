@@ -42,10 +42,25 @@ MAX_DEFAULT_WORKERS = 4
 #: waiting 86 % of the time) for ~110 MB more RSS; hf-to-megatron's stayed at 12.7 s (and an
 #: earlier run of quantize, dequantize and hf-to-hf with 8 measured within noise of 4).
 MAX_DEFAULT_GPU_WORKERS = 8
-#: Host bytes the units in flight may hold together by default. The process's own size comes on
-#: top: ~240 MiB on the CPU (torch); on the H200 machine importing torch takes 491 MiB alone and
-#: CUDA with the codec kernels ~230 MiB more. 768 MiB kept the CPU runs near 1 GiB in all.
+#: The most host bytes the units in flight may hold together by default (``--memory-mb`` 0).
 DEFAULT_MEMORY_BYTES = 768 * 2**20
+#: What the default budget aims the whole process at: its own size when the executor starts, plus
+#: the budget, plus :data:`UNCOUNTED_BYTES`. The own size is what varies: ~240 MiB with a CPU build
+#: of torch, 491 MiB with a CUDA build (H200 machine) and ~610 MiB once CUDA is up, more with
+#: ``torch.distributed.checkpoint`` imported; a fixed budget of 768 MiB kept CPU-build runs near
+#: 1 GiB but CUDA runs at 1.0-1.25 GiB.
+DEFAULT_PEAK_RSS_BYTES = 2**30
+#: What a run holds besides its units' counted bytes (thread stacks, the writer's file state, heap
+#: left between blocks): measured peaks stayed within ~64 MiB of start + units in flight.
+UNCOUNTED_BYTES = 64 * 2**20
+#: The default budget never goes below this: a few units in flight whatever the process's size.
+MIN_DEFAULT_MEMORY_BYTES = 256 * 2**20
+
+
+def default_budget(start_rss: int) -> int:
+    """The host memory budget when ``--memory-mb`` is 0: what keeps the process near
+    :data:`DEFAULT_PEAK_RSS_BYTES`, between :data:`MIN_DEFAULT_MEMORY_BYTES` and :data:`DEFAULT_MEMORY_BYTES`."""
+    return min(DEFAULT_MEMORY_BYTES, max(MIN_DEFAULT_MEMORY_BYTES, DEFAULT_PEAK_RSS_BYTES - start_rss - UNCOUNTED_BYTES))
 
 
 def cores() -> int:
@@ -108,7 +123,7 @@ class Options:
     workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS, or
     #                    MAX_DEFAULT_GPU_WORKERS and at least 2 on a GPU)
     progress: bool = True
-    memory_bytes: int = DEFAULT_MEMORY_BYTES  # host bytes the units in flight may hold together
+    memory_bytes: int = 0  # host bytes the units in flight may hold together; 0: default_budget()
 
 
 @dataclass
@@ -167,10 +182,11 @@ class Executor:
             # them before gives "Invalid device argument" (seen with torch 2.11 on an H200).
             torch.empty(1, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        #: Host bytes the units in flight may hold together (at least one unit always runs).
-        self.budget_bytes = max(0, int(self.options.memory_bytes))
-        self.stats.budget_bytes = self.budget_bytes
         self.stats.start_rss_bytes = resident_bytes()
+        #: Host bytes the units in flight may hold together (at least one unit always runs).
+        asked = int(self.options.memory_bytes)
+        self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes)
+        self.stats.budget_bytes = self.budget_bytes
 
     # ---- running units -----------------------------------------------------------------------
 
@@ -339,6 +355,6 @@ def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v if v.device.type == "cpu" else v.to("cpu")) for k, v in parts.items()}
 
 
-__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_MEMORY_BYTES", "MAX_DEFAULT_WORKERS",
+__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_MEMORY_BYTES", "default_budget", "MAX_DEFAULT_WORKERS",
            "MAX_DEFAULT_GPU_WORKERS", "cores",
            "share_cores", "to_host"]
