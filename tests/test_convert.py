@@ -565,3 +565,39 @@ def test_big_dense_tensors_move_in_row_slices(tmp_path, monkeypatch):
     assert "embedding.word_embeddings.weight" in positioned and "output_layer.weight" in positioned
     assert set(positioned) - {"embedding.word_embeddings.weight", "output_layer.weight"}  # parts of layer tensors
     assert _differing(TINY["mixed"], tmp_path / "back") == []
+
+
+def test_the_memory_budget_counts_what_torch_dist_units_read():
+    """hf-to-megatron's expert chunks cost their BF16 tensor plus the stored parts read to build it
+    (NVFP4: a quarter more, MXFP8: a half); megatron-to-hf's expert slices cost what they read and
+    write, the stored slice twice on the CPU, and the reference's slice too with --scales keep."""
+    from inkling_ckpt.convert.megatron import _blob_cost, _plan_to_hf, plan_megatron, source_mapping
+    from inkling_ckpt.layouts.megatron import ObjectItem
+    from inkling_ckpt.model.inventory import expert_stacks, inventory
+    from inkling_ckpt.pipeline.units import expert_slice
+
+    src = HFCheckpoint.open(TINY["mixed"])
+    m = source_mapping(src)
+    chunks, objects, _ = plan_megatron(m)
+    cost = _blob_cost(src, m)
+    stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+    stacked = {e.key: stacks[e.hf] for e in m.entries() if e.stacked}
+    seen = set()
+    for c in chunks:
+        st = stacked.get(c.key)
+        if st is None:
+            assert cost(c) == c.nbytes
+            continue
+        stored = sum(p.nbytes for p in st.parts()) * c.sizes[0] // st.shape[0]
+        assert cost(c) == c.nbytes + stored and stored > 0
+        seen.add(st.fmt)
+    assert seen == {"nvfp4", "mxfp8"}
+    assert all(cost(o) == 0 for o in objects) and isinstance(objects[0], ObjectItem)
+
+    specs = inventory(src.cfg, src.plan, dtypes=src.dtypes())
+    for host, keep in ((True, True), (False, True), (False, False)):
+        units = _plan_to_hf(m, specs, src.plan, 1 << 20, host_reorder=host, reference_read=keep)
+        experts = [u for u in units if expert_slice(u) is not None]
+        assert experts
+        for u in experts:
+            assert u.memory == (2 if host else 1) * u.read_bytes + (2 if keep else 1) * u.write_bytes

@@ -168,6 +168,20 @@ def test_the_default_budget_keeps_the_process_near_one_gib():
     assert Executor(Options(device="cpu", progress=False, memory_bytes=5 * mib)).budget_bytes == 5 * mib
 
 
+def test_the_default_budget_is_measured_again_when_units_start(monkeypatch):
+    """What a command loads after creating its executor (hf-to-megatron imports DCP then) counts:
+    the start size and the default budget are taken again when the first units run."""
+    import inkling_ckpt.pipeline.executor as executor_mod
+
+    mib = 2**20
+    sizes = iter([300 * mib, 700 * mib])
+    monkeypatch.setattr(executor_mod, "resident_bytes", lambda: next(sizes))
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    assert ex.budget_bytes == executor_mod.default_budget(300 * mib)
+    assert [u.key for u, _ in ex.map([Unit(key="a"), Unit(key="b")], lambda u: u)] == ["a", "b"]
+    assert ex.stats.start_rss_bytes == 700 * mib and ex.budget_bytes == ex.stats.budget_bytes == 260 * mib
+
+
 def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():
     units = [Unit(key="small", read_bytes=10), Unit(key="huge", read_bytes=10**9, hold_bytes=0), Unit(key="after")]
     ex = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100))

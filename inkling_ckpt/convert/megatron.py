@@ -181,6 +181,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
     job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
+    blob_bytes = _blob_cost(src, m)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     layers = src.cfg.num_hidden_layers
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
@@ -207,7 +208,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     ex.stats.bytes_written += n
                     ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
-                      key_order=order, map_items=lambda items, build: ex.map(items, build, cost=_blob_bytes))
+                      key_order=order, map_items=lambda items, build: ex.map(items, build, cost=blob_bytes))
 
     def finish(stage: Stage, _: None) -> None:
         finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
@@ -225,10 +226,20 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     return result
 
 
-def _blob_bytes(item: ChunkItem | ObjectItem) -> int:
-    """Host bytes a chunk or object holds in flight: the chunk's tensor (its serialized blob is a
-    view of it); 0 for an object (a few bytes)."""
-    return item.nbytes if isinstance(item, ChunkItem) else 0
+def _blob_cost(src: TensorSource, m: MegatronMapping) -> Callable[[ChunkItem | ObjectItem], int]:
+    """Host bytes a chunk or object holds in flight, for the executor's memory budget: the chunk's
+    tensor (its serialized blob is a view of it) and, for experts, their stored parts read to build
+    it (a quarter to a half more: counting only the tensor left the H200 runs ~170 MiB over the
+    budget); 0 for an object (a few bytes)."""
+    stored = {st.name: sum(p.nbytes for p in st.parts()) // max(1, st.shape[0])
+              for st in expert_stacks(src.cfg, src.plan)}
+    per_expert = {e.key: stored[e.hf] for e in m.entries() if e.stacked}
+
+    def cost(item: ChunkItem | ObjectItem) -> int:
+        if not isinstance(item, ChunkItem):
+            return 0
+        return item.nbytes + per_expert.get(item.key, 0) * item.sizes[0]
+    return cost
 
 
 def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:
@@ -300,25 +311,30 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
            "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
-    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, host_reorder=ex.device.type == "cpu")
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, host_reorder=ex.device.type == "cpu",
+                        reference_read=scales == "keep")
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
                     files=files, force=force)
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
-                host_reorder: bool = True) -> list[Unit]:
+                host_reorder: bool = True, reference_read: bool = False) -> list[Unit]:
     """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
     rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
-    torch_dist chunks)."""
+    torch_dist chunks).
+
+    An expert slice's ``hold_bytes`` for the memory budget: what it reads and writes; on the CPU the
+    stored slice twice (held while reordered to the HF layout, then its copy); with
+    ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it writes.
+    """
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
     units = release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
-    if not host_reorder:  # on a GPU the slice is reordered there: the host holds what is read and written
-        return units
-    # On the CPU an expert slice is held twice while reordered to the HF layout (the stored one, then its copy).
-    return [dataclasses.replace(u, hold_bytes=2 * u.read_bytes + u.write_bytes) if expert_slice(u) is not None else u
-            for u in units]
+
+    def hold(u: Unit) -> int:
+        return (2 if host_reorder else 1) * u.read_bytes + (2 if reference_read else 1) * u.write_bytes
+    return [dataclasses.replace(u, hold_bytes=hold(u)) if expert_slice(u) is not None else u for u in units]
 
 
 def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource, encoder: ExpertEncoder,

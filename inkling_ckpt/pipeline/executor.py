@@ -177,13 +177,20 @@ class Executor:
                                threads=self.threads)
         self._t0 = time.perf_counter()
         self._local = threading.local()
+        self._mapped = False  # map() has run (the start size and default budget are re-measured then)
         if self.device.type == "cuda":
             # The allocator keeps statistics only once it has served an allocation on the device: resetting
             # them before gives "Invalid device argument" (seen with torch 2.11 on an H200).
             torch.empty(1, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.stats.start_rss_bytes = resident_bytes()
         #: Host bytes the units in flight may hold together (at least one unit always runs).
+        self.budget_bytes = 0
+        self._measure_start()
+
+    def _measure_start(self) -> None:
+        """The process's size now, and the default budget from it; again when the first units run,
+        so what a command imports or builds after creating its executor (hf-to-megatron: DCP) counts."""
+        self.stats.start_rss_bytes = resident_bytes()
         asked = int(self.options.memory_bytes)
         self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes)
         self.stats.budget_bytes = self.budget_bytes
@@ -202,6 +209,9 @@ class Executor:
         """
         if not units:
             return
+        if not self._mapped:
+            self._mapped = True
+            self._measure_start()
         cost = cost or _memory
         threads = self.threads
         main_threads = torch.get_num_threads()
