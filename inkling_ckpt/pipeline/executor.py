@@ -139,14 +139,14 @@ class RankStats:
     bytes_read: int = 0
     bytes_written: int = 0
     bytes_reused: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # from its first units (map) to finish(): the rate once running
     peak_gpu_bytes: int = 0
     # Where the writing thread's time went: waiting for transforms (the work is the bound) or
     # handling results (writing: the sink is the bound). Measured in ``map``.
     wait_seconds: float = 0.0
     sink_seconds: float = 0.0
     # The host memory budget of the units in flight, the most units in flight at once, and the
-    # process's resident size when the executor started (what the units' memory comes on top of).
+    # process's resident size when its first units started (what the units' memory comes on top of).
     budget_bytes: int = 0
     most_in_flight: int = 0
     start_rss_bytes: int = 0
@@ -210,7 +210,10 @@ class Executor:
         if not units:
             return
         if not self._mapped:
+            # The rank's time, start size and default budget count from its first units: what a
+            # command does before (importing DCP, planning) is a fixed cost, not the rate it runs at.
             self._mapped = True
+            self._t0 = time.perf_counter()
             self._measure_start()
         cost = cost or _memory
         threads = self.threads
