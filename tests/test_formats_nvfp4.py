@@ -289,32 +289,6 @@ def test_chunking_does_not_change_bytes(monkeypatch):
     assert torch.equal(NV.decode(whole), NV.decode(small))
 
 
-def test_chunks_grow_with_torch_threads_and_bytes_do_not_change(monkeypatch):
-    """A chunk is CHUNK_ELEMS per torch thread (up to MAX_CHUNK_THREADS): fewer ops under the GIL
-    when an op is split over several threads; the bytes are those of one thread's chunks."""
-    from inkling_ckpt.formats import _base
-    from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked
-
-    monkeypatch.setattr(_base, "CHUNK_ELEMS", 96 * 3)  # 3 rows of 96 per thread
-    x = torch.randn(3, 40, 96, dtype=BF, generator=torch.Generator().manual_seed(7))
-    before = torch.get_num_threads()
-    got = {}
-    try:
-        for threads in (1, 4, 64):
-            torch.set_num_threads(threads)
-            step = next(iter(_base.row_chunks(40, 96)))[1]
-            assert step == 3 * min(threads, _base.MAX_CHUNK_THREADS)
-            got[threads] = {fmt: encode_stacked(fmt, x, name="w") for fmt in ("nvfp4", "mxfp8")}
-            got[threads]["decoded"] = {fmt: decode_stacked(fmt, got[threads][fmt], torch.float32) for fmt in ("nvfp4", "mxfp8")}
-    finally:
-        torch.set_num_threads(before)
-    for threads in (4, 64):
-        for fmt in ("nvfp4", "mxfp8"):
-            for k, v in got[1][fmt].items():
-                assert torch.equal(v.reshape(-1).view(torch.uint8), got[threads][fmt][k].reshape(-1).view(torch.uint8)), (threads, fmt, k)
-            assert torch.equal(got[1]["decoded"][fmt].view(torch.int32), got[threads]["decoded"][fmt].view(torch.int32))
-
-
 # -- accuracy anchor ---------------------------------------------------------------------------
 
 

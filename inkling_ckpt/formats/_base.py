@@ -15,16 +15,10 @@ PartSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 #: Inputs the quantizing codecs accept (no silent casts from anything else).
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
-#: Elements per row chunk and torch thread. Small enough that a chunk's float32 temporaries
-#: (1 MiB per thread) stay mostly in cache, as the codecs are memory-bound, and that memory stays
-#: bounded whatever the tensor size; large enough that torch's per-op overhead (~10 us) is negligible.
+#: Elements per row chunk. Small enough that a chunk's float32 temporaries (1 MiB each) stay
+#: mostly in cache, as the codecs are memory-bound, and that memory stays bounded whatever the
+#: tensor size; large enough that torch's per-op overhead (~10 us) is negligible.
 CHUNK_ELEMS = 1 << 18
-#: A chunk grows with the torch threads an op is split over (up to this many): the per-op
-#: overhead is paid once per op, holding the GIL, whatever the thread count, so with a fixed chunk
-#: the pipeline's CPU workers (4 x 4 threads on a 16-core node) spent their time queueing for
-#: the interpreter. (Two processes of 2 x 4 workers each ran the same CPU transforms 1.8x
-#: faster than one: the one interpreter was the bound, not the cores.) Bytes do not depend on it.
-MAX_CHUNK_THREADS = 8
 
 
 class Format:
@@ -137,11 +131,8 @@ def nonfinite_error(name: str, value: float, index: tuple[int, ...], count: int,
 
 
 def row_chunks(rows: int, width: int, chunk_elems: int | None = None) -> Iterator[tuple[int, int]]:
-    """(start, stop) row ranges of at most ~chunk_elems elements, at least one row each (default:
-    CHUNK_ELEMS per torch thread of the calling thread, up to MAX_CHUNK_THREADS of them)."""
-    if chunk_elems is None:
-        chunk_elems = CHUNK_ELEMS * max(1, min(MAX_CHUNK_THREADS, torch.get_num_threads()))
-    step = max(1, chunk_elems // max(1, width))
+    """(start, stop) row ranges of at most ~chunk_elems (default CHUNK_ELEMS) elements, at least one row each."""
+    step = max(1, (CHUNK_ELEMS if chunk_elems is None else chunk_elems) // max(1, width))
     for start in range(0, rows, step):
         yield start, min(rows, start + step)
 
