@@ -269,10 +269,32 @@ def grid(args: argparse.Namespace) -> dict:
     res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
     for m in res["steps"]:
         m["share_of_plain"] = m["mb_s"] / res["plain"]["mb_s"]
+    res["rank_speedups"] = rank_speedups(res["steps"])
+    for r in res["rank_speedups"]:
+        print(f"  {r['command']:15s} {r['device']:4s} x{r['ranks']}: executor {r['one_rank_seconds']:.1f} -> "
+              f"{r['seconds']:.1f} s = {r['speedup']:.2f}x one rank running (wall {r['wall_speedup']:.2f}x)", flush=True)
     if not args.keep:
         for p in src.values():
             shutil.rmtree(p, ignore_errors=True)
     return res
+
+
+def rank_speedups(steps: list[dict]) -> list[dict]:
+    """For each step run with several ranks, its slowest rank's executor time against the same
+    command's with one rank (same device and budget): the speed-up once running, beside the wall
+    time's (which carries torchrun's and every rank's start)."""
+    def busy(m: dict) -> float:
+        return max((r["seconds"] for r in m["rank_stats"]), default=0.0)
+
+    one = {(m["command"], m["device"], m.get("memory_mb", 0)): m for m in steps if m["ranks"] == 1}
+    out = []
+    for m in steps:
+        base = one.get((m["command"], m["device"], m.get("memory_mb", 0)))
+        if m["ranks"] > 1 and base is not None and busy(m) and busy(base):
+            out.append({"command": m["command"], "device": m["device"], "ranks": m["ranks"],
+                        "one_rank_seconds": busy(base), "seconds": busy(m), "speedup": busy(base) / busy(m),
+                        "wall_speedup": base["seconds"] / m["seconds"]})
+    return out
 
 
 def full_layer(args: argparse.Namespace) -> dict:
