@@ -571,7 +571,7 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
     """hf-to-megatron's expert chunks cost their BF16 tensor plus the stored parts read to build it
     (NVFP4: a quarter more, MXFP8: a half); megatron-to-hf's expert slices cost what they read and
     write, the stored slice twice on the CPU, and the reference's slice too with --scales keep."""
-    from inkling_ckpt.convert.megatron import _blob_cost, _plan_to_hf, plan_megatron, source_mapping
+    from inkling_ckpt.convert.megatron import _blob_cost, _blob_done, _plan_to_hf, plan_megatron, source_mapping
     from inkling_ckpt.layouts.megatron import ObjectItem
     from inkling_ckpt.model.inventory import expert_stacks, inventory
     from inkling_ckpt.pipeline.units import expert_slice
@@ -590,9 +590,10 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
             continue
         stored = sum(p.nbytes for p in st.parts()) * c.sizes[0] // st.shape[0]
         assert cost(c) == c.nbytes + stored and stored > 0
+        assert _blob_done(c) == c.nbytes  # once built, waiting for the writer: the serialized tensor alone
         seen.add(st.fmt)
     assert seen == {"nvfp4", "mxfp8"}
-    assert all(cost(o) == 0 for o in objects) and isinstance(objects[0], ObjectItem)
+    assert all(cost(o) == 0 == _blob_done(o) for o in objects) and isinstance(objects[0], ObjectItem)
 
     specs = inventory(src.cfg, src.plan, dtypes=src.dtypes())
     for host, keep in ((True, True), (False, True), (False, False)):

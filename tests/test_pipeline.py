@@ -143,7 +143,7 @@ def _concurrency(ex: Executor, units: list) -> tuple[list, int]:
 def test_units_in_flight_stay_within_the_memory_budget():
     """The budget, not the worker count, bounds what is in flight: 100-byte units under a 250-byte
     budget run two at a time (the one handed out counts until the writer is done with it)."""
-    units = [Unit(key=f"u{i}", read_bytes=60, write_bytes=40) for i in range(12)]
+    units = [Unit(key=f"u{i}", write_bytes=100) for i in range(12)]
     ex = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
     order, most = _concurrency(ex, units)
     assert order == [u.key for u in units]  # the order never depends on the schedule
@@ -152,6 +152,37 @@ def test_units_in_flight_stay_within_the_memory_budget():
     wide = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=10**6))
     assert _concurrency(wide, units)[0] == order
     assert wide.stats.most_in_flight == 8  # as before the budget: workers + 1 queued, and the one being written
+
+
+def test_a_finished_unit_is_charged_what_it_writes():
+    """A transform holds what it reads and writes; once done, its result waits for the writer
+    holding only what it writes: 100-byte units that write 10 under a 250-byte budget never run
+    more than two transforms at once, but finished ones waiting behind a slow first unit no longer
+    keep the next from starting (the charge before was 100 each: two in flight at most)."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    running = [0, 0]
+
+    def work(u):
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.2 if u.key == "u0" else 0.005)  # the first is slow: the others finish and wait
+        with lock:
+            running[0] -= 1
+        return u.key
+
+    units = [Unit(key=f"u{i}", read_bytes=90, write_bytes=10) for i in range(12)]
+    ex = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
+    assert [k for _, k in ex.map(units, work)] == [u.key for u in units]
+    assert running[1] <= 2  # 3 x 100 bytes transforming would be over the budget
+    assert ex.stats.most_in_flight >= 4  # u0 handed out, u1 done (10 each), u2 and u3 started
+    charged = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
+    running[:] = [0, 0]
+    list(charged.map(units, work, done_cost=lambda u: u.memory))  # charged in full until written, as before
+    assert charged.stats.most_in_flight == 2
 
 
 def test_the_default_budget_keeps_the_process_near_one_gib():

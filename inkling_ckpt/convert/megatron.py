@@ -208,7 +208,8 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     ex.stats.bytes_written += n
                     ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
-                      key_order=order, map_items=lambda items, build: ex.map(items, build, cost=blob_bytes))
+                      key_order=order, map_items=lambda items, build: ex.map(items, build, cost=blob_bytes,
+                                                                     done_cost=_blob_done))
 
     def finish(stage: Stage, _: None) -> None:
         finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
@@ -240,6 +241,12 @@ def _blob_cost(src: TensorSource, m: MegatronMapping) -> Callable[[ChunkItem | O
             return 0
         return item.nbytes + per_expert.get(item.key, 0) * item.sizes[0]
     return cost
+
+
+def _blob_done(item: ChunkItem | ObjectItem) -> int:
+    """What a built chunk holds while it waits for the writer: its serialized tensor (the stored
+    parts it was decoded from are gone)."""
+    return item.nbytes if isinstance(item, ChunkItem) else 0
 
 
 def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:

@@ -198,14 +198,17 @@ class Executor:
     # ---- running units -----------------------------------------------------------------------
 
     def map(self, units: Sequence[Any], transform: Callable[[Any], T], *,
-            cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, T]]:
+            cost: Callable[[Any], int] | None = None,
+            done_cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, T]]:
         """``(unit, transform(unit))`` in order; transforms run ahead on the workers, bounded.
 
         Works on any items (a :class:`Unit` or a storage writer's own items). ``cost(item)``: the
-        host bytes an item holds while in flight (default: a :class:`Unit`'s ``memory``, else 0);
-        items start while those in flight, the one being handed out included, fit the budget (the
-        next in order always starts when nothing else is in flight). An error in a transform is
-        raised here, at its unit, after the work in flight is cancelled.
+        host bytes an item holds while its transform runs (default: a :class:`Unit`'s ``memory``,
+        else 0); ``done_cost(item)``: what its result holds once the transform is done, waiting
+        for the writer (default: a :class:`Unit`'s ``write_bytes``, else ``cost``). Items start
+        while those in flight, the one being handed out included, fit the budget (the next in
+        order always starts when nothing else is in flight). An error in a transform is raised
+        here, at its unit, after the work in flight is cancelled.
         """
         if not units:
             return
@@ -216,6 +219,8 @@ class Executor:
             self._t0 = time.perf_counter()
             self._measure_start()
         cost = cost or _memory
+        if done_cost is None:
+            done_cost = _result_memory if cost is _memory else cost
         threads = self.threads
         main_threads = torch.get_num_threads()
         clock = time.perf_counter
@@ -241,14 +246,20 @@ class Executor:
             torch.set_num_threads(threads)  # per worker: the ranks' workers together use the cores once
 
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="inkling-unit", initializer=init)
-        pending: deque[tuple[Any, int, Future[T]]] = deque()
+        # (item, bytes while transforming, bytes once done, its future)
+        pending: deque[tuple[Any, int, int, Future[T]]] = deque()
         it = iter(units)
         held: list[Any] = []  # the next item, when the budget held it back
-        in_flight = 0  # bytes of the pending items and of the one being handed out
-        handing_out = False  # a result is with the caller (its bytes stay counted until it comes back)
+        handed = 0  # bytes of the result with the caller (counted until it comes back)
+        handing_out = False  # a result is with the caller
+
+        def in_flight() -> int:
+            # A finished transform holds only its result: a unit waiting for the writer is charged
+            # what it will write, not what it read and worked on (megatron-to-hf's CPU slices: a
+            # third), so the budget keeps the workers busy instead of the queue.
+            return handed + sum(d if f.done() else c for _, c, d, f in pending)
 
         def fill() -> None:
-            nonlocal in_flight
             while len(pending) <= self.workers:
                 if not held:
                     nxt = next(it, _END)
@@ -256,32 +267,30 @@ class Executor:
                         return
                     held.append(nxt)
                 c = max(0, int(cost(held[0])))
-                if (pending or handing_out) and in_flight + c > self.budget_bytes:
+                if (pending or handing_out) and in_flight() + c > self.budget_bytes:
                     return
                 u = held.pop()
-                pending.append((u, c, pool.submit(self._run_one, transform, u)))
-                in_flight += c
+                pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(self._run_one, transform, u)))
                 stats.most_in_flight = max(stats.most_in_flight, len(pending) + handing_out)
 
         try:
             with oom_as_error():
                 fill()
                 while pending:
-                    u, c, fut = pending.popleft()
+                    u, _, d, fut = pending.popleft()
                     t = clock()
                     result = fut.result()
                     t1 = clock()
                     stats.wait_seconds += t1 - t
-                    handing_out = True
+                    handing_out, handed = True, d
                     fill()
                     yield u, result
                     del result
-                    in_flight -= c
-                    handing_out = False
+                    handing_out, handed = False, 0
                     fill()
                     stats.sink_seconds += clock() - t1
         finally:
-            for _, _, fut in pending:
+            for _, _, _, fut in pending:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(main_threads)
@@ -361,6 +370,10 @@ _END = object()
 
 def _memory(item: Any) -> int:
     return item.memory if isinstance(item, Unit) else 0
+
+
+def _result_memory(item: Any) -> int:
+    return item.write_bytes if isinstance(item, Unit) else 0
 
 
 def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
