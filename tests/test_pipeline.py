@@ -117,9 +117,9 @@ def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):
     assert two.stats.as_dict()["threads"] == 2  # in the report's "ranks"
 
 
-def _concurrency(ex: Executor, units: list) -> tuple[list, int]:
-    """Run ``units`` through ``ex.map`` with a transform that holds each unit a moment; (the units
-    in the order handed out, the most transforms that ran at once)."""
+def _concurrency(ex: Executor, units: list, hold=lambda u: 0.01, **map_options) -> tuple[list, int]:
+    """Run ``units`` through ``ex.map`` with a transform that holds each unit ``hold(unit)``
+    seconds; (the units in the order handed out, the most transforms that ran at once)."""
     import threading
     import time
 
@@ -130,12 +130,12 @@ def _concurrency(ex: Executor, units: list) -> tuple[list, int]:
         with lock:
             running[0] += 1
             running[1] = max(running[1], running[0])
-        time.sleep(0.01)
+        time.sleep(hold(u))
         with lock:
             running[0] -= 1
         return u.key
 
-    got = [(u.key, r) for u, r in ex.map(units, work)]
+    got = [(u.key, r) for u, r in ex.map(units, work, **map_options)]
     assert all(k == r for k, r in got)
     return [k for k, _ in got], running[1]
 
@@ -159,29 +159,17 @@ def test_a_finished_unit_is_charged_what_it_writes():
     holding only what it writes: 100-byte units that write 10 under a 250-byte budget never run
     more than two transforms at once, but finished ones waiting behind a slow first unit no longer
     keep the next from starting (the charge before was 100 each: two in flight at most)."""
-    import threading
-    import time
-
-    lock = threading.Lock()
-    running = [0, 0]
-
-    def work(u):
-        with lock:
-            running[0] += 1
-            running[1] = max(running[1], running[0])
-        time.sleep(0.2 if u.key == "u0" else 0.005)  # the first is slow: the others finish and wait
-        with lock:
-            running[0] -= 1
-        return u.key
+    def slow_first(u: Unit) -> float:
+        return 0.2 if u.key == "u0" else 0.005  # the others finish and wait behind it
 
     units = [Unit(key=f"u{i}", read_bytes=90, write_bytes=10) for i in range(12)]
     ex = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
-    assert [k for _, k in ex.map(units, work)] == [u.key for u in units]
-    assert running[1] <= 2  # 3 x 100 bytes transforming would be over the budget
+    order, most = _concurrency(ex, units, slow_first)
+    assert order == [u.key for u in units]
+    assert most <= 2  # 3 x 100 bytes transforming would be over the budget
     assert ex.stats.most_in_flight >= 4  # u0 handed out, u1 done (10 each), u2 and u3 started
     charged = Executor(Options(device="cpu", workers=6, progress=False, memory_bytes=250))
-    running[:] = [0, 0]
-    list(charged.map(units, work, done_cost=lambda u: u.memory))  # charged in full until written, as before
+    _concurrency(charged, units, slow_first, done_cost=lambda u: u.memory)  # charged in full until written
     assert charged.stats.most_in_flight == 2
 
 
