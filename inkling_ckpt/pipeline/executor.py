@@ -44,7 +44,7 @@ MAX_DEFAULT_WORKERS = 4
 MAX_DEFAULT_GPU_WORKERS = 8
 #: The most host bytes the units in flight may hold together by default (``--memory-mb`` 0).
 DEFAULT_MEMORY_BYTES = 768 * 2**20
-#: What the default budget aims the whole process at: its own size when the executor starts, plus
+#: What the default budget aims the whole process at: its own size when its first units start, plus
 #: the budget, plus :data:`UNCOUNTED_BYTES`. The own size is what varies: ~240 MiB with a CPU build
 #: of torch, 491 MiB with a CUDA build (H200 machine) and ~610 MiB once CUDA is up, more with
 #: ``torch.distributed.checkpoint`` imported; a fixed budget of 768 MiB kept CPU-build runs near
