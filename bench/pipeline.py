@@ -237,7 +237,7 @@ def grid(args: argparse.Namespace) -> dict:
             m["share_of_plain"] = m["mb_s"] / before["mb_s"]
             # The same bytes over the slowest rank's time in its executor: the rate once running,
             # without process start (imports), planning and exit, which a 394 GB job does not notice.
-            busy = max((r["seconds"] for r in m["rank_stats"]), default=0.0)
+            busy = executor_seconds(m)
             m["steady_share_of_plain"] = (nread + nwritten) / busy / 1e6 / before["mb_s"] if busy else None
             # What the wall time holds besides the executor: imports, CUDA, planning, publishing, exit.
             # It does not depend on the disk, so it compares across machines that run at other rates.
@@ -279,13 +279,16 @@ def grid(args: argparse.Namespace) -> dict:
     return res
 
 
+def executor_seconds(step: dict) -> float:
+    """The slowest rank's time in its executor (from its first units), 0 when the step reports none."""
+    return max((r["seconds"] for r in step["rank_stats"]), default=0.0)
+
+
 def rank_speedups(steps: list[dict]) -> list[dict]:
     """For each step run with several ranks, its slowest rank's executor time against the same
     command's with one rank (same device and budget): the speed-up once running, beside the wall
     time's (which carries torchrun's and every rank's start)."""
-    def busy(m: dict) -> float:
-        return max((r["seconds"] for r in m["rank_stats"]), default=0.0)
-
+    busy = executor_seconds
     one = {(m["command"], m["device"], m.get("memory_mb", 0)): m for m in steps if m["ranks"] == 1}
     out = []
     for m in steps:
