@@ -152,7 +152,7 @@ def describe_hf_to_megatron(src: TensorSource, *, preset: str | Preset = DEFAULT
 
 def _unit_read_bytes(src: TensorSource, m: MegatronMapping) -> dict[int, int]:
     """Source bytes each conversion unit reads (stacked experts: their stored parts)."""
-    in_bytes = {st.name: sum(p.nbytes for p in st.parts()) for st in expert_stacks(src.cfg, src.plan)}
+    in_bytes = {st.name: st.stored_bytes for st in expert_stacks(src.cfg, src.plan)}
     tensors = getattr(src, "tensors", {})
     unit_no = {u: i for i, u in enumerate(m.units)}
     out: dict[int, int] = {}
@@ -232,8 +232,7 @@ def _blob_cost(src: TensorSource, m: MegatronMapping) -> Callable[[ChunkItem | O
     tensor (its serialized blob is a view of it) and, for experts, their stored parts read to build
     it (a quarter to a half more: counting only the tensor left the H200 runs ~170 MiB over the
     budget); 0 for an object (a few bytes)."""
-    stored = {st.name: sum(p.nbytes for p in st.parts()) // max(1, st.shape[0])
-              for st in expert_stacks(src.cfg, src.plan)}
+    stored = {st.name: st.stored_bytes // max(1, st.shape[0]) for st in expert_stacks(src.cfg, src.plan)}
     per_expert = {e.key: stored[e.hf] for e in m.entries() if e.stacked}
 
     def cost(item: ChunkItem | ObjectItem) -> int:

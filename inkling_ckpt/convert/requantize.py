@@ -122,7 +122,7 @@ def describe_requantize(src: TensorSource, plan: PrecisionPlan, *, command: str 
 
 def plan_units(src: TensorSource, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
     """The job's units in output order: each layer's dense tensors, then its experts slice by slice."""
-    in_bytes = {st.name: sum(p.nbytes for p in st.parts()) for st in expert_stacks(src.cfg, src.plan)}
+    in_bytes = {st.name: st.stored_bytes for st in expert_stacks(src.cfg, src.plan)}
     stacks = {st.name: st for st in expert_stacks(src.cfg, plan)}
     return release_units(specs, stacks, slice_bytes, src.cfg.num_hidden_layers, stack_read_bytes=in_bytes,
                          row_reads=getattr(src, "row_reads", True))

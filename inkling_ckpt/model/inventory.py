@@ -218,6 +218,11 @@ class ExpertStack:
                            fmt=self.fmt, part=suffix)
                 for suffix, (shp, dt) in stacked_parts(self.fmt, self.shape).items()]
 
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of all its stored parts (weight, scales, per-expert factors)."""
+        return sum(p.nbytes for p in self.parts())
+
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a dense tensor of this shape and dtype."""

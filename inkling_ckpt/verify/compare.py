@@ -326,8 +326,7 @@ def plan_units(a: Any, b: Any, slice_bytes: int) -> list[Unit]:
             raise CheckpointError(f"{s.name}: shape {list(s.shape)} in A, {list(dense_b[s.name].shape)} in B")
     stacks_a = {st.name: st for st in expert_stacks(a.cfg, a.plan)}
     stacks_b = {st.name: st for st in expert_stacks(b.cfg, b.plan)}
-    read = {n: sum(p.nbytes for p in st.parts()) + sum(p.nbytes for p in stacks_b[n].parts())
-            for n, st in stacks_a.items()}
+    read = {n: st.stored_bytes + stacks_b[n].stored_bytes for n, st in stacks_a.items()}
     units = release_units(specs, stacks_a, max(1, slice_bytes // 2), a.cfg.num_hidden_layers, stack_read_bytes=read,
                           row_reads=getattr(a, "row_reads", True) and getattr(b, "row_reads", True),
                           read_bytes=lambda s: s.nbytes + dense_b[s.name].nbytes)
