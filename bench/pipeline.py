@@ -260,6 +260,7 @@ def grid(args: argparse.Namespace) -> dict:
                             f" of {r['seconds']:.1f} s"
                             + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, budget "
                                f"{r.get('budget_bytes', 0) / 2**20:.0f} MiB, {r['most_in_flight']} in flight"
+                               + (f", held by RSS {r['rss_holds']}x" if r.get("rss_holds") else "")
                                if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
                   flush=True)
             if command != "hf-to-megatron":

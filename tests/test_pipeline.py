@@ -193,12 +193,37 @@ def test_the_default_budget_is_measured_again_when_units_start(monkeypatch):
     import inkling_ckpt.pipeline.executor as executor_mod
 
     mib = 2**20
-    sizes = iter([300 * mib, 700 * mib])
-    monkeypatch.setattr(executor_mod, "resident_bytes", lambda: next(sizes))
+    sizes = [300 * mib, 700 * mib]
+    monkeypatch.setattr(executor_mod, "resident_bytes", lambda: sizes.pop(0) if len(sizes) > 1 else sizes[0])
     ex = Executor(Options(device="cpu", workers=2, progress=False))
     assert ex.budget_bytes == executor_mod.default_budget(300 * mib)
     assert [u.key for u, _ in ex.map([Unit(key="a"), Unit(key="b")], lambda u: u)] == ["a", "b"]
     assert ex.stats.start_rss_bytes == 700 * mib and ex.budget_bytes == ex.stats.budget_bytes == 260 * mib
+
+
+def test_the_default_budget_holds_units_back_while_the_process_is_near_one_gib(monkeypatch):
+    """What grows the process besides the units' charges (libraries and CUDA modules loaded on first
+    use) is seen in its resident size: with the default budget a unit waits while the process plus
+    that unit would pass 1 GiB (at least one unit always runs); an explicit --memory-mb is not second-guessed."""
+    import inkling_ckpt.pipeline.executor as executor_mod
+
+    mib = 2**20
+    size = [300 * mib]
+    monkeypatch.setattr(executor_mod, "resident_bytes", lambda: size[0])
+    units = [Unit(key=f"u{i}", write_bytes=10 * mib) for i in range(10)]
+    roomy = Executor(Options(device="cpu", workers=4, progress=False))
+    assert _concurrency(roomy, units)[0] == [u.key for u in units]
+    assert roomy.stats.most_in_flight > 2 and roomy.stats.rss_holds == 0
+
+    size[0] = 1020 * mib  # the process grew after its start was measured: 10 MiB more would pass 1 GiB
+    full = Executor(Options(device="cpu", workers=4, progress=False))
+    order, most = _concurrency(full, units)
+    assert order == [u.key for u in units] and most == 1
+    assert full.stats.most_in_flight == 1 and full.stats.rss_holds > 0
+    assert full.stats.as_dict()["rss_holds"] == full.stats.rss_holds
+    asked = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100 * mib))
+    _concurrency(asked, units)
+    assert asked.stats.most_in_flight > 2 and asked.stats.rss_holds == 0
 
 
 def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():

@@ -150,6 +150,8 @@ class RankStats:
     budget_bytes: int = 0
     most_in_flight: int = 0
     start_rss_bytes: int = 0
+    # Times the default budget's resident-size check held the next unit back (``peak_rss_bytes``).
+    rss_holds: int = 0
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
@@ -159,7 +161,8 @@ class RankStats:
                 "bytes_reused": self.bytes_reused, "seconds": round(self.seconds, 3),
                 "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
                 "sink_seconds": round(self.sink_seconds, 3), "budget_bytes": self.budget_bytes,
-                "most_in_flight": self.most_in_flight, "start_rss_bytes": self.start_rss_bytes, "span": self.where}
+                "most_in_flight": self.most_in_flight, "start_rss_bytes": self.start_rss_bytes,
+                "rss_holds": self.rss_holds, "span": self.where}
 
 
 class Executor:
@@ -183,8 +186,15 @@ class Executor:
             # them before gives "Invalid device argument" (seen with torch 2.11 on an H200).
             torch.empty(1, device=self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            # The codecs import Triton on their first CUDA tensor: importing it now puts its libraries
+            # in the size the default budget is taken from, instead of on top of the budget.
+            from ..formats.gpu import kernels_available
+
+            kernels_available()
         #: Host bytes the units in flight may hold together (at least one unit always runs).
         self.budget_bytes = 0
+        #: With the default budget, the resident size a new unit must fit under (0: no such check).
+        self.peak_rss_bytes = 0
         self._measure_start()
 
     def _measure_start(self) -> None:
@@ -194,6 +204,11 @@ class Executor:
         asked = int(self.options.memory_bytes)
         self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes)
         self.stats.budget_bytes = self.budget_bytes
+        # The budget counts what units are charged; what grows the process besides (libraries loaded on
+        # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
+        # default also holds a unit back while the process plus that unit would pass DEFAULT_PEAK_RSS_BYTES.
+        # An explicit --memory-mb is the user's own bound: no second guess.
+        self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES
 
     # ---- running units -----------------------------------------------------------------------
 
@@ -268,6 +283,9 @@ class Executor:
                     held.append(nxt)
                 c = max(0, int(cost(held[0])))
                 if (pending or handing_out) and in_flight() + c > self.budget_bytes:
+                    return
+                if (pending or handing_out) and self.peak_rss_bytes and resident_bytes() + c > self.peak_rss_bytes:
+                    stats.rss_holds += 1
                     return
                 u = held.pop()
                 pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(self._run_one, transform, u)))
