@@ -258,7 +258,7 @@ def test_every_executor_steadies_memory_once_per_process(monkeypatch):
     monkeypatch.setattr(memory, "_glibc", lambda: Libc())
     Executor(Options(device="cpu", progress=False))
     Executor(Options(device="cpu", progress=False))
-    assert calls == [(memory.M_MMAP_THRESHOLD, 1 << 20), (memory.M_TRIM_THRESHOLD, 16 << 20)]
+    assert calls == [(memory.M_MMAP_THRESHOLD, 8 << 20), (memory.M_TRIM_THRESHOLD, 32 << 20)]
 
 
 def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):

@@ -9,16 +9,18 @@ from typing import Any
 
 #: glibc's mallopt parameter for the size from which an allocation gets its own mapping.
 M_MMAP_THRESHOLD = -3
-#: Blocks from 1 MiB up are mapped apart, so freeing one returns it to the OS at once.
-MMAP_THRESHOLD = 1 << 20
+#: Blocks from 8 MiB up (slices, their results) are mapped apart, so freeing one returns it to the
+#: OS at once; the codecs' chunk temporaries (4 MiB, ``formats._base.CHUNK_ELEMS``) stay below it.
+MMAP_THRESHOLD = 8 << 20
 #: glibc's mallopt parameter for the free memory a heap keeps at its top before giving it back.
 M_TRIM_THRESHOLD = -1
-#: Kept at 16 MiB, so the codecs' per-chunk temporaries (~1 MiB each, a few per worker) are reused
-#: from the heap. At glibc's default (128 KiB once the mmap threshold is fixed) every free of one
-#: trimmed the worker's heap and the next op faulted its pages in again: 2 workers encoding and
-#: decoding [4, 4608, 4608] on the 2-core box took 133-233K page faults against 2-19K, and ran
-#: NVFP4 1.1-1.9x and MXFP8 1.5x slower.
-TRIM_THRESHOLD = 16 << 20
+#: Kept at 32 MiB, so the chunk temporaries (a few per worker) are reused from the heap. At glibc's
+#: default (128 KiB once the mmap threshold is fixed) every free of one trimmed the worker's heap and
+#: the next op faulted its pages in again: 2 workers encoding and decoding [4, 4608, 4608] on the
+#: 2-core box took 133-233K page faults against 2-19K, and ran NVFP4 1.1-1.9x and MXFP8 1.5x slower;
+#: on the 16-core node, with chunks mapped apart (2^20 elements, 1 MiB threshold), 4 workers encoded
+#: NVFP4 at 485 Melem/s against 893 from the heap.
+TRIM_THRESHOLD = 32 << 20
 
 _lock = threading.Lock()
 _applied = False
@@ -42,7 +44,7 @@ def steady_memory() -> None:
     """Make glibc return large freed blocks to the OS at once; once per process, a no-op off glibc.
 
     glibc raises its mmap threshold as big blocks are freed (up to 32 MiB), after which the
-    tensors a command streams come from the heap and linger there once freed; a fixed 1 MiB
+    tensors a command streams come from the heap and linger there once freed; a fixed 8 MiB
     threshold keeps the resident set at the few slices in flight, the same from one run to the next.
     Below it, each heap keeps up to :data:`TRIM_THRESHOLD` free for the next small blocks.
     """
