@@ -206,9 +206,11 @@ class Executor:
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
         # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
-        # default also holds a unit back while the process plus that unit would pass DEFAULT_PEAK_RSS_BYTES.
-        # An explicit --memory-mb is the user's own bound: no second guess.
-        self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES
+        # default also holds a unit back while the process, plus the units no worker has begun yet, plus that
+        # unit would pass DEFAULT_PEAK_RSS_BYTES less UNCOUNTED_BYTES (what begun units have yet to allocate:
+        # checking the size alone, the H200 node's runs peaked 0-55 MiB over 1 GiB). An explicit
+        # --memory-mb is the user's own bound: no second guess.
+        self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES - UNCOUNTED_BYTES
 
     # ---- running units -----------------------------------------------------------------------
 
@@ -261,8 +263,8 @@ class Executor:
             torch.set_num_threads(threads)  # per worker: the ranks' workers together use the cores once
 
         pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="inkling-unit", initializer=init)
-        # (item, bytes while transforming, bytes once done, its future)
-        pending: deque[tuple[Any, int, int, Future[T]]] = deque()
+        # (item, bytes while transforming, bytes once done, its future, [a worker has begun it])
+        pending: deque[tuple[Any, int, int, Future[T], list[bool]]] = deque()
         it = iter(units)
         held: list[Any] = []  # the next item, when the budget held it back
         handed = 0  # bytes of the result with the caller (counted until it comes back)
@@ -272,7 +274,15 @@ class Executor:
             # A finished transform holds only its result: a unit waiting for the writer is charged
             # what it will write, not what it read and worked on (megatron-to-hf's CPU slices: a
             # third), so the budget keeps the workers busy instead of the queue.
-            return handed + sum(d if f.done() else c for _, c, d, f in pending)
+            return handed + sum(d if f.done() else c for _, c, d, f, _ in pending)
+
+        def not_begun() -> int:
+            # What pending units charge but cannot have allocated yet: a worker has not picked them up.
+            return sum(c for _, c, _, _, begun in pending if not begun[0])
+
+        def start(u: Any, begun: list[bool]) -> T:
+            begun[0] = True
+            return self._run_one(transform, u)
 
         def fill() -> None:
             while len(pending) <= self.workers:
@@ -284,18 +294,20 @@ class Executor:
                 c = max(0, int(cost(held[0])))
                 if (pending or handing_out) and in_flight() + c > self.budget_bytes:
                     return
-                if (pending or handing_out) and self.peak_rss_bytes and resident_bytes() + c > self.peak_rss_bytes:
+                if (pending or handing_out) and self.peak_rss_bytes and (
+                        resident_bytes() + not_begun() + c > self.peak_rss_bytes):
                     stats.rss_holds += 1
                     return
                 u = held.pop()
-                pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(self._run_one, transform, u)))
+                begun = [False]
+                pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(start, u, begun), begun))
                 stats.most_in_flight = max(stats.most_in_flight, len(pending) + handing_out)
 
         try:
             with oom_as_error():
                 fill()
                 while pending:
-                    u, _, d, fut = pending.popleft()
+                    u, _, d, fut, _ = pending.popleft()
                     t = clock()
                     result = fut.result()
                     t1 = clock()
@@ -308,7 +320,7 @@ class Executor:
                     fill()
                     stats.sink_seconds += clock() - t1
         finally:
-            for _, _, _, fut in pending:
+            for _, _, _, fut, _ in pending:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
             torch.set_num_threads(main_threads)
