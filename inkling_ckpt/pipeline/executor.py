@@ -206,11 +206,13 @@ class Executor:
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
         # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
-        # default also holds a unit back while the process, plus the units no worker has begun yet, plus that
-        # unit would pass DEFAULT_PEAK_RSS_BYTES less UNCOUNTED_BYTES (what begun units have yet to allocate:
-        # checking the size alone, the H200 node's runs peaked 0-55 MiB over 1 GiB). An explicit
-        # --memory-mb is the user's own bound: no second guess.
-        self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES - UNCOUNTED_BYTES
+        # default also holds a unit back while the process, plus the units no worker has begun yet, plus
+        # that unit would pass DEFAULT_PEAK_RSS_BYTES. A check of the size alone let the H200 node's runs
+        # peak 0-55 MiB over 1 GiB; keeping 64 MiB more in reserve held them at 974-1021 MiB on CUDA but
+        # slowed megatron-to-hf 86 -> 68 % of plain (full-size layer) and left the CPU runs over (their
+        # codec temporaries grow inside running units, which no check before a unit starts can stop).
+        # An explicit --memory-mb is the user's own bound: no second guess.
+        self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES
 
     # ---- running units -----------------------------------------------------------------------
 
