@@ -232,7 +232,7 @@ def test_the_default_budget_holds_units_back_while_the_process_is_near_one_gib(m
     near = Executor(Options(device="cpu", workers=16, progress=False))
     assert near.peak_rss_bytes == 2**30
     peak = 0
-    for u, r in near.map(units * 3, grow):
+    for _ in near.map(units * 3, grow):
         peak = max(peak, size_of())
         with lock:
             live[0] -= 1
