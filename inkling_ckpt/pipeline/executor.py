@@ -294,12 +294,12 @@ class Executor:
                         return
                     held.append(nxt)
                 c = max(0, int(cost(held[0])))
-                if (pending or handing_out) and in_flight() + c > self.budget_bytes:
-                    return
-                if (pending or handing_out) and self.peak_rss_bytes and (
-                        resident_bytes() + not_begun() + c > self.peak_rss_bytes):
-                    stats.rss_holds += 1
-                    return
+                if pending or handing_out:  # else it starts whatever it costs: at least one unit runs
+                    if in_flight() + c > self.budget_bytes:
+                        return
+                    if self.peak_rss_bytes and resident_bytes() + not_begun() + c > self.peak_rss_bytes:
+                        stats.rss_holds += 1
+                        return
                 u = held.pop()
                 begun = [False]
                 pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(start, u, begun), begun))
