@@ -106,10 +106,14 @@ def main() -> None:
                     help="FORMAT-encode / FORMAT-decode (nvfp4, mxfp8)")
     ap.add_argument("--experts", type=int, default=2, help="experts per worker's stack")
     ap.add_argument("--reps", type=int, default=1, help="calls per worker in the timed round")
-    ap.add_argument("--heap", choices=["pipeline", "mmap-1m"], default="pipeline")
+    ap.add_argument("--heap", choices=["pipeline", "mmap-1m", "mmap-4m"], default="pipeline",
+                    help="pipeline: the commands' settings; mmap-1m: 1 MiB mmap / 16 MiB trim thresholds (before "
+                         "2^20 chunks); mmap-4m: 4 MiB / 16 MiB (for 2^19 chunks)")
     args = ap.parse_args()
     if args.heap == "mmap-1m":
         memory.MMAP_THRESHOLD, memory.TRIM_THRESHOLD = 1 << 20, 16 << 20
+    elif args.heap == "mmap-4m":
+        memory.MMAP_THRESHOLD, memory.TRIM_THRESHOLD = 4 << 20, 16 << 20
     memory.steady_memory()
     n = os.cpu_count() or 1
     layouts = sorted({(1, 1), (min(4, n), max(1, n // 4)), (n, 1)})

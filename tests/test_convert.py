@@ -594,11 +594,16 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
         seen.add(st.fmt)
     assert seen == {"nvfp4", "mxfp8"}
     assert all(cost(o) == 0 == _blob_done(o) for o in objects) and isinstance(objects[0], ObjectItem)
+    # On a GPU the stored parts are read straight onto it: a chunk holds its BF16 tensor on the host.
+    on_gpu = _blob_cost(src, m, host_parts=False)
+    assert all(on_gpu(c) == c.nbytes for c in chunks) and on_gpu(objects[0]) == 0
 
     specs = inventory(src.cfg, src.plan, dtypes=src.dtypes())
-    for host, keep in ((True, True), (False, True), (False, False)):
-        units = _plan_to_hf(m, specs, src.plan, 1 << 20, host_reorder=host, reference_read=keep)
+    for host, keep in ((True, True), (True, False), (False, True), (False, False)):
+        units = _plan_to_hf(m, specs, src.plan, 1 << 20, on_host=host, reference_read=keep)
         experts = [u for u in units if expert_slice(u) is not None]
         assert experts
         for u in experts:
-            assert u.memory == (2 if host else 1) * u.read_bytes + (2 if keep else 1) * u.write_bytes
+            # on a GPU the stored slice and the reference's go straight onto it: what it writes stays
+            want = 2 * u.read_bytes + (2 if keep else 1) * u.write_bytes if host else u.write_bytes
+            assert u.memory == want and u.write_bytes > 0

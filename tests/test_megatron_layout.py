@@ -308,3 +308,52 @@ def test_a_blob_read_whole_is_not_streamed_again_for_a_part(tmp_path, monkeypatc
     assert torch.equal(fresh.read("a", (3, 0), (5, 8)), a[3:8])
     assert torch.equal(fresh.read("a", (10, 0), (5, 8)), a[10:15])
     assert streamed == ["a"]
+
+
+def test_positioned_reads_feed_a_hash_with_the_bytes_they_read(tmp_path):
+    """``read_exact(..., hasher=)`` gives the bytes and their sha256 in one pass (the torch_dist reader
+    checks a blob read straight onto a GPU that way)."""
+    import hashlib
+    import os
+
+    from inkling_ckpt.layouts.pread import read_exact
+
+    data = bytes(range(256)) * 97
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        h = hashlib.sha256()
+        got = read_exact(fd, 5, len(data) - 9, "truncated", hasher=h)
+        assert got.numpy().tobytes() == data[5:-4] and h.hexdigest() == hashlib.sha256(data[5:-4]).hexdigest()
+        with pytest.raises(CheckpointError, match="truncated"):
+            read_exact(fd, 5, len(data), "truncated")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypatch):
+    """Chunks read straight onto a GPU (through small pinned buffers, many pieces here) hold the
+    values read on the host, whole chunks and parts alike, and a changed byte still fails the sha256."""
+    from inkling_ckpt.layouts import pread
+
+    monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
+    pread._stages.__dict__.clear()
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    e = torch.randn(5, 24, 40, generator=g)
+    _write(tmp_path, {"a": a, "e": e}, {"e": [((i, 0, 0), (1, 24, 40)) for i in range(5)]})
+    ckpt = TorchDistCheckpoint.open(tmp_path)
+    for key, off, size in [("a", None, None), ("a", (7, 3), (50, 61)), ("e", (1, 0, 0), (3, 24, 40)),
+                           ("e", (4, 0, 0), (1, 24, 40)), ("e", (0, 2, 1), (5, 3, 39))]:
+        got = ckpt.read(key, off, size, device="cuda")
+        want = TorchDistCheckpoint.open(tmp_path).read(key, off, size)
+        assert got.device.type == "cuda" and torch.equal(got.cpu(), want), (key, off, size)
+    data = next(tmp_path.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[raw.rfind(e[3].numpy().tobytes()) + 100] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="sha256"):
+        TorchDistCheckpoint.open(tmp_path).read("e", (2, 0, 0), (3, 24, 40), device="cuda")

@@ -335,6 +335,25 @@ def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
     assert "wrote" in out and " in " in out and "read " in out and "MB/s" in out and "resum" not in out
 
 
+def test_expert_slices_read_onto_a_gpu_are_charged_what_they_write():
+    """On a GPU an expert slice's stored parts go straight onto it: the memory budget charges it its
+    result only; dense units (read on the host) and every unit on the CPU keep their charge."""
+    from inkling_ckpt.convert.requantize import plan_units
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.inventory import inventory
+    from inkling_ckpt.model.precision import PrecisionPlan
+    from inkling_ckpt.pipeline import expert_slice, read_on_device
+
+    src = HFCheckpoint.open(TINY["mixed"])
+    plan = PrecisionPlan.uniform("bf16", src.cfg.num_hidden_layers)
+    units = plan_units(src, inventory(src.cfg, plan, dtypes=src.dtypes()), plan, 1 << 20)
+    assert read_on_device(units, "cpu") == units
+    gpu = read_on_device(units, "cuda")
+    experts = [(u, g) for u, g in zip(units, gpu, strict=True) if expert_slice(u) is not None]
+    assert experts and all(g.memory == u.write_bytes < u.memory for u, g in experts)
+    assert all(g == u for u, g in zip(units, gpu, strict=True) if expert_slice(u) is None)
+
+
 def test_dense_tensors_cut_in_row_slices_keep_their_bytes(tmp_path):
     """A dense tensor bigger than the slice (the real embeddings: 1.85 GB against 64 MiB) is read and
     written in row slices; every slice must be its own rows (a slice past the first once came out
@@ -433,6 +452,19 @@ def _same_tree(a: Path, b: Path) -> list[str]:
     files = files_of(a) | files_of(b)
     return sorted(str(f) for f in files
                   if not (a / f).is_file() or not (b / f).is_file() or not filecmp.cmp(a / f, b / f, shallow=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_command_writes_the_cpu_bytes_on_the_gpu(cli, tmp_path):
+    """--device cuda (reads straight onto the GPU, the codecs' kernels there) against --device cpu."""
+    for device in ("cpu", "cuda"):
+        for job in _jobs(tmp_path / device):
+            job = [a if a != "cpu" else device for a in job]
+            code, _, err = cli(*job)
+            assert code == 0, err
+    for name in ("quantize", "dequantize", "hf-to-hf", "megatron", "back"):
+        assert _same_tree(tmp_path / "cpu" / name, tmp_path / "cuda" / name) == [], name
 
 
 def test_two_ranks_write_the_one_process_bytes_for_every_command(cli, tmp_path):

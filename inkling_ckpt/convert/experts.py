@@ -9,7 +9,7 @@ of every block whose values are unchanged, so an untouched weight comes back byt
 
 from __future__ import annotations
 
-from typing import Literal, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol
 
 import torch
 
@@ -32,11 +32,22 @@ class ScaleSource(Protocol):
     def get(self, name: str) -> torch.Tensor: ...
 
 
-def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
-    """The stored parts of experts ``first:last`` of one stacked weight (scalars read whole)."""
+def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
+               device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The stored parts of experts ``first:last`` of one stacked weight (scalars read whole), on
+    ``device`` (default the CPU). A source with ``reads_to_device`` reads them straight onto a GPU
+    (through small pinned buffers: no host copy of the slice); any other is read, then copied."""
+    dev = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
+    direct = dev is not None and getattr(src, "reads_to_device", False)
+    onto: Any = src  # a source with reads_to_device takes device= (ScaleSource does not promise it)
     out = {}
     for spec in stack.parts():
-        out[spec.part] = src.get(spec.name) if spec.shape == () else src.read_rows(spec.name, first, last)
+        if direct:
+            t = onto.get(spec.name, device=dev) if spec.shape == () else onto.read_rows(spec.name, first, last, device=dev)
+        else:
+            t = src.get(spec.name) if spec.shape == () else src.read_rows(spec.name, first, last)
+            t = t if dev is None else t.to(dev)
+        out[spec.part] = t
     return out  # type: ignore[return-value]
 
 
@@ -49,9 +60,7 @@ def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
     unquantized ones), so nothing is narrowed unless the caller asks for it. Default device: where
     the parts are read (the CPU); the result stays there.
     """
-    parts = read_parts(src, stack, first, last)
-    if device is not None and torch.device(device).type != "cpu":
-        parts = {k: v.to(device) for k, v in parts.items()}
+    parts = read_parts(src, stack, first, last, device=device)
     return decode_stacked(stack.fmt, parts, dtype or natural_dtype(stack.fmt), name=stack.name,
                           allow_nonfinite=allow_nonfinite)
 
@@ -99,9 +108,7 @@ class ExpertEncoder:
             # The plan was resolved against the source (model.precision.dense_as): a cast that
             # rounds was asked for with --dtype; any other is exact (BF16 -> F32).
             return encode_stacked(fmt, x.to(UNQUANTIZED[fmt]), name=stack.name, allow_nonfinite=self.allow_nonfinite)
-        ref_parts = read_parts(ref, stack, first, last) if ref is not None else None
-        if ref_parts is not None and x.device.type != "cpu":
-            ref_parts = {k: v.to(x.device) for k, v in ref_parts.items()}
+        ref_parts = read_parts(ref, stack, first, last, device=x.device) if ref is not None else None
         amax = ref_parts[AMAX] if ref_parts is not None and fmt == "nvfp4" else None
         codec = self._mx if fmt == "mxfp8" else fmt
         parts = encode_stacked(codec, x, name=stack.name, amax=amax, allow_nonfinite=self.allow_nonfinite)

@@ -48,7 +48,7 @@ from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
     Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate, expert_slice,
-    release_units, run_staged, to_host, write_hf,
+    read_on_device, release_units, run_staged, to_host, write_hf,
 )
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
 from .requantize import TensorSource, read_dense
@@ -181,7 +181,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
     job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
-    blob_bytes = _blob_cost(src, m)
+    blob_bytes = _blob_cost(src, m, host_parts=ex.device.type == "cpu")
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     layers = src.cfg.num_hidden_layers
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
@@ -227,12 +227,13 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     return result
 
 
-def _blob_cost(src: TensorSource, m: MegatronMapping) -> Callable[[ChunkItem | ObjectItem], int]:
+def _blob_cost(src: TensorSource, m: MegatronMapping, *, host_parts: bool = True) -> Callable[[ChunkItem | ObjectItem], int]:
     """Host bytes a chunk or object holds in flight, for the executor's memory budget: the chunk's
-    tensor (its serialized blob is a view of it) and, for experts, their stored parts read to build
-    it (a quarter to a half more: counting only the tensor left the H200 runs ~170 MiB over the
-    budget); 0 for an object (a few bytes)."""
-    stored = {st.name: st.stored_bytes // max(1, st.shape[0]) for st in expert_stacks(src.cfg, src.plan)}
+    tensor (its serialized blob is a view of it) and, for experts read on the host (``host_parts``;
+    on a GPU they are read straight onto it), their stored parts (a quarter to a half more:
+    counting only the tensor left the H200 runs ~170 MiB over the budget); 0 for an object."""
+    stored = {st.name: (st.stored_bytes // max(1, st.shape[0]) if host_parts else 0)
+              for st in expert_stacks(src.cfg, src.plan)}
     per_expert = {e.key: stored[e.hf] for e in m.entries() if e.stacked}
 
     def cost(item: ChunkItem | ObjectItem) -> int:
@@ -317,29 +318,32 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
            "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
-    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, host_reorder=ex.device.type == "cpu",
-                        reference_read=scales == "keep")
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, on_host=ex.device.type == "cpu", reference_read=scales == "keep")
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
                     files=files, force=force)
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
-                host_reorder: bool = True, reference_read: bool = False) -> list[Unit]:
+                on_host: bool = True, reference_read: bool = False) -> list[Unit]:
     """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
     rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
     torch_dist chunks).
 
-    An expert slice's ``hold_bytes`` for the memory budget: what it reads and writes; on the CPU the
-    stored slice twice (held while reordered to the HF layout, then its copy); with
-    ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it writes.
+    An expert slice's ``hold_bytes`` for the memory budget: on the CPU (``on_host``) the stored slice
+    twice (held while reordered to the HF layout, then its copy) and what it writes, with
+    ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it
+    writes; on a GPU, where both are read straight onto it, only what it writes.
     """
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
     units = release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
 
+    if not on_host:
+        return read_on_device(units, "cuda")
+
     def hold(u: Unit) -> int:
-        return (2 if host_reorder else 1) * u.read_bytes + (2 if reference_read else 1) * u.write_bytes
+        return 2 * u.read_bytes + (2 if reference_read else 1) * u.write_bytes
     return [dataclasses.replace(u, hold_bytes=hold(u)) if expert_slice(u) is not None else u for u in units]
 
 
@@ -353,7 +357,9 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
             stack, a, b = sl
             e = by_hf[stack.name]
             # One expression: the stored slice is freed once reordered to the HF layout (a copy).
-            w = m.to_hf(e.key, ex.to_device(reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]))))
+            # On a GPU the chunks go straight onto it (small pinned buffers, no host copy of the slice).
+            on_gpu = {} if ex.device.type == "cpu" else {"device": ex.device}
+            w = m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]), **on_gpu))
             got = to_host(encoder.encode(stack, a, w))
             return {stack.name + k: v for k, v in got.items()}
         out: dict[str, torch.Tensor] = {}

@@ -23,8 +23,8 @@ from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
 from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
-    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, expert_slice, release_units, to_host,
-    write_hf,
+    DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, expert_slice, read_on_device,
+    release_units, to_host, write_hf,
 )
 from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -97,7 +97,7 @@ def requantize(
            "max_shard_size": "source" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc=command)
-    units = plan_units(src, specs, plan, ex.slice_bytes)
+    units = read_on_device(plan_units(src, specs, plan, ex.slice_bytes), ex.device.type)
     result = write_hf(ex, dst, job, specs, config, src.extra_files(), units, transform(src, plan, encoder, ex),
                       max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, files=files, force=force)
     if "nvfp4" in plan.used_formats() and not result.skipped:

@@ -155,8 +155,11 @@ class HFCheckpoint:
                 raise CheckpointError(f"{self.root}: {n} is stored as {DTYPE_TO_ST.get(t.dtype, t.dtype)}; non-expert "
                                       "tensors must be BF16, F16 or F32")
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one whole tensor into a fresh CPU tensor.
+    #: read_rows and get take ``device=``: a GPU gets the bytes through small pinned buffers, not a host copy.
+    reads_to_device = True
+
+    def get(self, name: str, *, device: torch.device | str | None = None) -> torch.Tensor:
+        """Read one whole tensor into a fresh tensor (on ``device``, default the CPU).
 
         Plain positional reads rather than safetensors' memory map: a mapped file's touched
         pages count towards the process's resident memory until unmapped, which would make
@@ -165,17 +168,19 @@ class HFCheckpoint:
         st = self.tensors.get(name)
         if st is None:
             raise CheckpointError(f"{self.root}: no tensor {name}")
-        return self.read_rows(name, 0, st.shape[0] if st.shape else 1)
+        rows = st.shape[0] if st.shape else 1
+        return self.read_rows(name, 0, rows) if device is None else self.read_rows(name, 0, rows, device=device)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` of a tensor (along dim 0), reading only their bytes."""
+    def read_rows(self, name: str, start: int, stop: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of a tensor (along dim 0), reading only their bytes (onto ``device``)."""
         st = self.tensors[name]
         row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
         count = (stop - start) * row
         path = self.root / st.file
         try:
             with open_regular(path, buffering=0) as f:
-                buf = read_exact(f.fileno(), st.offset + start * row, count, f"{path}: truncated while reading {name}")
+                buf = read_exact(f.fileno(), st.offset + start * row, count, f"{path}: truncated while reading {name}",
+                                 device=device)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
         shape = (stop - start, *st.shape[1:]) if st.shape else ()

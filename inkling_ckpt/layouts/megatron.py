@@ -805,12 +805,17 @@ class TorchDistCheckpoint:
         """A ``ShardedObject`` payload (a list of the saving ranks' objects), weights-only."""
         return _safe_load(io.BytesIO(self._blob(key, None)), f"{self.folder}: object {key}")
 
-    def read_chunk(self, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
-        """One stored chunk exactly as written (weights-only load straight from the file)."""
+    def read_chunk(self, key: str, offsets: tuple[int, ...], *, device: torch.device | str | None = None) -> torch.Tensor:
+        """One stored chunk exactly as written (weights-only load straight from the file), on ``device``
+        (default the CPU; a GPU gets its values through small pinned buffers, checked as they pass)."""
         st = self._stacked.get(key) or self.keys[key]
         info, path = self._storage(key, offsets)
         what = f"{path}: chunk of {key}"
         sizes = dict(st.chunks).get(offsets)
+        if device is not None and torch.device(device).type != "cpu" and sizes is not None:
+            lay = self._layout(key, offsets, verify=False)
+            if lay is not None:
+                return self._read_chunk_to(key, info, path, lay, tuple(sizes), st.dtype, torch.device(device))
         try:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
@@ -834,7 +839,33 @@ class TorchDistCheckpoint:
         if sizes is None or tuple(t.shape) != sizes or t.dtype != st.dtype:
             raise CheckpointError(f"{what} at {offsets} is {t.dtype} {list(t.shape)}, "
                                   f".metadata says {st.dtype} {list(sizes or ())}")
-        return t
+        return t if device is None else t.to(device)
+
+    def _read_chunk_to(self, key: str, info: Any, path: Path, lay: "_BlobLayout", sizes: tuple[int, ...],
+                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A chunk whose layout is known, its values read straight onto ``device``; the whole blob is
+        fed to its sha256 check on the way (its few bytes around the values read on the host)."""
+        check = self._sums and (info.relative_path, info.offset) not in self._verified
+        h = hashlib.sha256() if check else None
+        n = lay.elements * lay.itemsize
+        end = info.offset + info.length
+        truncated = f"{path}: truncated (chunk of {key} runs past the end)"
+        try:
+            with open_regular(path, buffering=0) as f:
+                if os.fstat(f.fileno()).st_size < end:
+                    raise CheckpointError(truncated)
+                if h is not None:  # the blob's header and pickle
+                    read_exact(f.fileno(), info.offset, lay.start - info.offset, truncated, hasher=h)
+                data = read_exact(f.fileno(), lay.start, n, truncated, device=device, hasher=h)
+                if h is not None:  # the rest of the blob (its record's tail, the zip directory)
+                    read_exact(f.fileno(), lay.start + n, end - lay.start - n, truncated, hasher=h)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read ({e.strerror})") from None
+        if h is not None:
+            self._verify(path, info, key, h.hexdigest())
+        if any(x == 0 for x in sizes):
+            return torch.empty(sizes, dtype=dtype, device=device)
+        return data.view(dtype).as_strided(sizes, lay.strides, lay.storage_offset)
 
     def unstack_layers(self, num_layers: int) -> int:
         """Present stacked ("homogeneous") keys as per-layer keys; returns how many were stacked.
@@ -858,8 +889,10 @@ class TorchDistCheckpoint:
                 self._stacked[st.key] = st
         return len(stacked)
 
-    def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None) -> torch.Tensor:
-        """A region (default: all) of a tensor, assembled from the stored chunks that overlap it.
+    def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None, *,
+             device: torch.device | str | None = None) -> torch.Tensor:
+        """A region (default: all) of a tensor, assembled from the stored chunks that overlap it, on
+        ``device`` (default the CPU; a GPU gets the values through small pinned buffers).
 
         A chunk the region covers only in part is read by position: only the bytes between the
         region's first and last element (rows of a big tensor, experts of a stacked one), the
@@ -872,13 +905,17 @@ class TorchDistCheckpoint:
             shape = self.keys[key].shape
             off = tuple(offsets) if offsets is not None else (0,) * len(shape)
             size = tuple(sizes) if sizes is not None else shape
-            return self._read_stored(self._stacked[stored], (layer, *off), (1, *size))[0]
+            return self._read_stored(self._stacked[stored], (layer, *off), (1, *size), device)[0]
         st = self.keys.get(key)
         if st is None:
             raise CheckpointError(f"{self.folder}: no tensor {key}")
-        return self._read_stored(st, offsets, sizes)
+        return self._read_stored(st, offsets, sizes, device)
 
-    def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None) -> torch.Tensor:
+    #: read takes ``device=`` (see TorchDistRelease, which hands it on).
+    reads_to_device = True
+
+    def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
         key = st.key
         off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
         size = tuple(sizes) if sizes is not None else st.shape
@@ -887,15 +924,20 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{key}: region {off}+{size} is outside {list(st.shape)}")
         for c_off, c_size in st.chunks:
             if tuple(c_off) == off and tuple(c_size) == size:
-                return self.read_chunk(key, c_off)
-        out = torch.empty(size, dtype=st.dtype)
+                return self.read_chunk(key, c_off, device=device)
+        out = torch.empty(size, dtype=st.dtype, device=device)
         covered = 0
         for c_off, c_size in st.chunks:
             lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
             hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
             if any(y <= x for x, y in zip(lo, hi, strict=True)):
                 continue
-            src = self._chunk_region(key, tuple(c_off), tuple(c_size), lo, hi)
+            whole = [x - b for x, b in zip(lo, c_off, strict=True)] == [0] * len(lo) and \
+                [y - b for y, b in zip(hi, c_off, strict=True)] == list(c_size)
+            on_device = device is not None and torch.device(device).type != "cpu"
+            # A whole chunk bound for a GPU goes straight there (no host copy, nothing cached).
+            src = self.read_chunk(key, tuple(c_off), device=device) if whole and on_device \
+                else self._chunk_region(key, tuple(c_off), tuple(c_size), lo, hi, device)
             if src is None:
                 chunk = self._cached_chunk(key, c_off)
                 src = chunk[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, c_off, strict=True))]
@@ -921,7 +963,7 @@ class TorchDistCheckpoint:
         return t
 
     def _chunk_region(self, key: str, c_off: tuple[int, ...], c_size: tuple[int, ...], lo: Sequence[int],
-                      hi: Sequence[int]) -> torch.Tensor | None:
+                      hi: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor | None:
         """Elements ``lo:hi`` (global coordinates) of one stored chunk, read by position; None when the
         region is the whole chunk (read it whole: one pass checks and loads it) or the blob does not allow it."""
         rel_lo = [x - o for x, o in zip(lo, c_off, strict=True)]
@@ -937,26 +979,26 @@ class TorchDistCheckpoint:
         try:
             with open_regular(lay.path, buffering=0) as f:
                 buf = read_exact(f.fileno(), lay.start + first * lay.itemsize, count,
-                                 f"{lay.path}: truncated (chunk of {key} runs past the end)")
+                                 f"{lay.path}: truncated (chunk of {key} runs past the end)", device=device)
         except OSError as e:
             raise CheckpointError(f"{lay.path}: cannot read ({e.strerror})") from None
         dtype = (self._stacked.get(key) or self.keys[key]).dtype
         size = [b - a for a, b in zip(rel_lo, rel_hi, strict=True)]
         return buf.view(dtype).as_strided(size, lay.strides, 0)
 
-    def _layout(self, key: str, c_off: tuple[int, ...]) -> _BlobLayout | None:
-        """The chunk's blob layout (found once, its blob checked against the sha256 sidecar once)."""
+    def _layout(self, key: str, c_off: tuple[int, ...], *, verify: bool = True) -> _BlobLayout | None:
+        """The chunk's blob layout (found once; with ``verify``, its blob checked against the sha256 sidecar once)."""
         k = (key, c_off)
-        if k in self._layouts:
-            return self._layouts[k]
         st = self._stacked.get(key) or self.keys[key]
         info, path = self._storage(key, c_off)
+        if k in self._layouts and not (verify and self._sums and (info.relative_path, info.offset) not in self._verified):
+            return self._layouts[k]
         sizes = dict(st.chunks).get(c_off)
         try:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
                     raise CheckpointError(f"{path}: truncated (chunk of {key} runs past the end)")
-                if (info.relative_path, info.offset) not in self._verified:
+                if verify and (info.relative_path, info.offset) not in self._verified:
                     self._verify(path, info, key)  # streamed in pieces: memory stays at a piece
                 lay = None if sizes is None else _blob_layout(f, path, info.offset, info.length, tuple(sizes),
                                                               st.dtype, f"{path}: chunk of {key}")

@@ -172,23 +172,29 @@ class TorchDistRelease:
         """None: a Megatron checkpoint holds the text model only."""
         return []
 
-    def get(self, name: str) -> torch.Tensor:
+    #: read_rows and get take ``device=`` (expert chunks go straight onto a GPU).
+    reads_to_device = True
+
+    def get(self, name: str, *, device: torch.device | str | None = None) -> torch.Tensor:
         """One whole release tensor (a stacked expert weight: every expert, interleaved as released)."""
         t = self._tensor(name)
         e = self.mapping.entry(t.key)
         if e.stacked:
-            return self.read_rows(name, 0, t.shape[0])
-        return self.mapping.to_hf(e.key, self.reader.read(e.key)).contiguous()
+            n = t.shape[0]
+            return self.read_rows(name, 0, n) if device is None else self.read_rows(name, 0, n, device=device)
+        out = self.mapping.to_hf(e.key, self.reader.read(e.key)).contiguous()
+        return out if device is None else out.to(device)
 
-    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Rows ``start:stop`` (experts, for a stacked weight: only their chunks are read)."""
+    def read_rows(self, name: str, start: int, stop: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (experts, for a stacked weight: only their chunks are read), on ``device``."""
         t = self._tensor(name)
         if not 0 <= start <= stop <= t.shape[0]:
             raise CheckpointError(f"{self.root}: rows {start}:{stop} of {name} are outside {list(t.shape)}")
         e = self.mapping.entry(t.key)
         if not e.stacked:
-            return dense_rows(self.reader, self.mapping, e.key, start, stop)
-        mg = self.reader.read(e.key, (start, 0, 0), (stop - start, *e.shape[1:]))
+            out = dense_rows(self.reader, self.mapping, e.key, start, stop)
+            return out if device is None else out.to(device)
+        mg = self.reader.read(e.key, (start, 0, 0), (stop - start, *e.shape[1:]), device=device)
         return self.mapping.to_hf(e.key, mg).contiguous()
 
     def _tensor(self, name: str) -> ReleaseTensor:

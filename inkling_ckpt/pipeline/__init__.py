@@ -27,12 +27,12 @@ from .executor import DEFAULT_MEMORY_BYTES, DEFAULT_SLICE_BYTES, Executor, Optio
 from .hf_out import piece_bytes, write_hf
 from .publish import Outcome, Stage, run_staged
 from .report import Result, gb
-from .units import dense_units, expert_slice, expert_slices, release_units, stack_units, where_of
+from .units import dense_units, expert_slice, expert_slices, read_on_device, release_units, stack_units, where_of
 from .world import World, all_ok, assign, broadcast, current_world, gather, launched_ranks, local_ranks, torchrun
 
 __all__ = [
     "DEVICES", "DEFAULT_MEMORY_BYTES", "DEFAULT_SLICE_BYTES", "Executor", "Options", "Outcome", "RankStats", "Result", "Stage", "Unit", "World",
     "all_ok", "assign", "device_kind", "estimate", "broadcast", "cores", "current_world", "dense_units", "expert_slice", "expert_slices", "gather", "gb",
-    "launched_ranks", "local_ranks", "oom_as_error", "piece_bytes", "release_units", "resolve_device", "run_staged", "share_cores", "stack_units", "to_host",
+    "launched_ranks", "local_ranks", "oom_as_error", "piece_bytes", "read_on_device", "release_units", "resolve_device", "run_staged", "share_cores", "stack_units", "to_host",
     "torchrun", "where_of", "write_hf",
 ]

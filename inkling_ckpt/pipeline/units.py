@@ -8,6 +8,7 @@ all of that slice's stored parts (the NVFP4 scalar denominator goes with the fir
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 from ..model.inventory import ExpertStack, TensorSpec, is_vision
@@ -107,6 +108,15 @@ def expert_slice(unit: Unit) -> tuple[ExpertStack, int, int] | None:
     return None
 
 
+def read_on_device(units: Sequence[Unit], device_type: str) -> list[Unit]:
+    """``units`` charged for a run whose expert slices read their stored parts straight onto a GPU
+    (``read_parts(..., device=)``): such a slice holds only its result on the host, so its
+    ``hold_bytes`` is what it writes (at least 1 byte); on the CPU, and for other units, unchanged."""
+    if device_type == "cpu":
+        return list(units)
+    return [replace(u, hold_bytes=max(1, u.write_bytes)) if expert_slice(u) is not None else u for u in units]
+
+
 def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack], slice_bytes: int, layers: int, *,
                   stack_read_bytes: Mapping[str, int], row_reads: bool = True,
                   read_bytes: Callable[[TensorSpec], int] | None = None) -> list[Unit]:
@@ -130,4 +140,4 @@ def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack]
     return units + dense_units(dense, slice_bytes, layers, row_reads=row_reads, read_bytes=read_bytes)
 
 
-__all__ = ["expert_slices", "expert_slice", "where_of", "dense_units", "stack_units", "release_units"]
+__all__ = ["expert_slices", "expert_slice", "read_on_device", "where_of", "dense_units", "stack_units", "release_units"]

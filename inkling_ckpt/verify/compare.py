@@ -77,7 +77,7 @@ from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
 from ..model.inventory import ExpertStack, expert_stacks, is_vision
 from ..units import fmt_bytes, ranks_phrase
-from ..pipeline import Executor, Options, Unit, all_ok, assign, expert_slice, gather, release_units
+from ..pipeline import Executor, Options, Unit, all_ok, assign, expert_slice, gather, read_on_device, release_units
 
 SCHEMA = "inkling-ckpt/verify/1"
 DENSE = "dense"
@@ -361,8 +361,8 @@ def _compare_dense(a: Any, b: Any, piece: tuple[str, int, int], ex: Executor) ->
 def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: int, last: int,
                      ex: Executor) -> list[Entry]:
     """Experts ``first:last`` of one stacked weight, decoded to float32 ``DECODE_ELEMENTS`` at a time."""
-    pa = ex.parts_to_device(read_parts(a, sa, first, last))
-    pb = ex.parts_to_device(read_parts(b, sb, first, last))
+    pa = read_parts(a, sa, first, last, device=ex.device)
+    pb = read_parts(b, sb, first, last, device=ex.device)
     same = sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa)
     out: list[Entry] = []
     for piece in _decode_pieces(sa.shape, last - first):
@@ -462,7 +462,7 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
         out = Comparison(_describe(a, path_a), _describe(b, path_b))
         out.only_a, out.only_b = unpaired(a, b)
         ex = Executor(options or Options(progress=progress), desc="verify")
-        units = plan_units(a, b, ex.slice_bytes)
+        units = read_on_device(plan_units(a, b, ex.slice_bytes), ex.device.type)
         owner = assign({u.key: u.read_bytes for u in units}, ex.world.size)
         mine = [u for u in units if owner[u.key] == ex.world.rank]
         done: dict[str, list[Entry]] = {}
