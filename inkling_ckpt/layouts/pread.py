@@ -46,8 +46,14 @@ def _pread_into(fd: int, view: memoryview, offset: int, truncated: str) -> None:
 
 
 #: Bytes of one pinned staging buffer for reads that land on a GPU (two per reading thread: pinned
-#: pages are resident, so 8 workers hold 64 MiB in all, against a whole slice each read to the host).
-STAGE_BYTES = 4 << 20
+#: pages are resident, so 8 workers hold 32 MiB in all, against a whole slice each read to the host;
+#: the executor counts them in the process's size).
+STAGE_BYTES = 2 << 20
+
+
+def staging_bytes(threads: int) -> int:
+    """Pinned host memory ``threads`` reading threads hold for reads onto a GPU."""
+    return 2 * STAGE_BYTES * max(0, threads)
 
 _stages = threading.local()
 

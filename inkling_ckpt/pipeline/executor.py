@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
+from ..layouts.pread import staging_bytes
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
 from .memory import resident_bytes, steady_memory
@@ -202,7 +203,10 @@ class Executor:
         so what a command imports or builds after creating its executor (hf-to-megatron: DCP) counts."""
         self.stats.start_rss_bytes = resident_bytes()
         asked = int(self.options.memory_bytes)
-        self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes)
+        # On a GPU each worker reads through its own pinned buffers (layouts.pread), allocated on its
+        # first read: part of the process's size, not of any unit's.
+        staged = staging_bytes(self.workers) if self.device.type == "cuda" else 0
+        self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes + staged)
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
         # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
