@@ -359,3 +359,55 @@ def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypat
     with pytest.raises(IntegrityError, match="sha256"):
         TorchDistCheckpoint.open(tmp_path).read("e", (2, 0, 0), (3, 24, 40), device="cuda")
     assert torch.equal(TorchDistCheckpoint.open(tmp_path).read("e", (0, 0, 0), (2, 24, 40), device="cuda").cpu(), e[:2])
+
+
+
+def test_blobs_serialized_at_once_on_several_workers_all_leave_out_the_crc32(tmp_path, monkeypatch):
+    """torch.save's CRC32 switch is per process in torch up to 2.12 (per thread from 2.13): a worker
+    turning it off and back on around its own save let another worker's save write CRCs, so a blob's
+    bytes depended on the schedule (CPU and CUDA outputs differed on the H200 node, torch 2.11).
+    Forced here with the switch made per process: worker B saves right after worker A has finished."""
+    import io
+    import threading
+    import zipfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inkling_ckpt.layouts.megatron_writer import SUMS_SUFFIX, write_units
+
+    flag = {"crc": True}  # one process-wide setting, as torch <= 2.12 keeps it
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", lambda: flag["crc"])
+    monkeypatch.setattr(torch.serialization, "set_crc32_options", lambda on: flag.__setitem__("crc", on))
+    tensors = {k: torch.arange(64, dtype=torch.float32).reshape(8, 8) + i for i, k in enumerate("ab")}
+    chunks = [ChunkItem(k, (0, 0), (8, 8), (8, 8), torch.float32, 0) for k in tensors]
+    b_saving, a_done = threading.Event(), threading.Event()
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.endswith("_1"):  # B: inside its save once A is inside its own
+            b_saving.set()
+            assert a_done.wait(10)  # ... and goes on only after A's build has returned
+        else:
+            assert b_saving.wait(10)
+        return real_save(obj, f, *args, **kwargs)
+
+    def map_items(items, build):  # type: ignore[no-untyped-def]
+        def run(i):  # type: ignore[no-untyped-def]
+            out = build(items[i])
+            if i == 0:
+                a_done.set()
+            return out
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(run, i) for i in range(len(items))]
+            for item, fut in zip(items, futures, strict=True):
+                yield item, fut.result()
+
+    monkeypatch.setattr(torch, "save", save)
+    write_units(tmp_path, chunks, [], lambda c: tensors[c.key].clone(), map_items=map_items)
+    data = (tmp_path / "__0_0.distcp").read_bytes()
+    spans = [tuple(map(int, line.split()[:2]))
+             for line in (tmp_path / ("__0_0.distcp" + SUMS_SUFFIX)).read_text().splitlines()]
+    assert len(spans) == 2
+    for start, length in spans:
+        records = zipfile.ZipFile(io.BytesIO(data[start:start + length])).infolist()
+        assert [r.CRC for r in records] == [0] * len(records)
+    assert flag["crc"] is True  # the setting is back as it was once the writing is done

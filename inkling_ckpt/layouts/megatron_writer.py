@@ -112,10 +112,19 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
             return blob
         data = _chunk_tensor(item, produce(item))
         blob = _Blob(data)
-        with _no_crc32():  # a per-thread setting: set where the blob is serialized
-            torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
+        # Off in this worker too (newer torch keeps the setting per thread), and never switched back on
+        # here: where torch keeps it per process, a worker restoring it mid-run let another worker's
+        # save write CRCs, so a blob's bytes depended on the schedule. write_units restores it once.
+        torch.serialization.set_crc32_options(False)
+        torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
         return blob
 
+    with _no_crc32():  # the whole stream, restored once every worker is done
+        return _write_stream(root, stream, build, done, resumed, on_written, map_items)
+
+
+def _write_stream(root: Path, stream: list[ChunkItem | ObjectItem], build: Callable[[Any], "_Blob"], done: Locations,
+                  resumed: int, on_written: Written, map_items: MapItems | None) -> tuple[Locations, int]:
     syncer = Lane("inkling-fsync")
     f: Any = None
     current = -1
@@ -276,8 +285,9 @@ def _no_crc32() -> Iterator[None]:
 
     Every ``torch.load`` can read the result: PyTorch builds its zip reader with
     ``MINIZ_DISABLE_ZIP_READER_CRC32_CHECKS`` (and documents that loading works,
-    ``torch.serialization.set_crc32_options``); only a generic unzip would complain. The setting
-    is per thread (torch keeps it thread-local): it applies where ``torch.save`` runs.
+    ``torch.serialization.set_crc32_options``); only a generic unzip would complain. Torch 2.13
+    keeps the setting per thread, earlier releases per process (torch 2.11 on the H200 node): set
+    it where ``torch.save`` runs, and switch it back only once no other thread is saving.
     """
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
