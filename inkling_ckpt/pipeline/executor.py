@@ -397,9 +397,6 @@ class Executor:
             return t
         return t.to(self.device, non_blocking=False)
 
-    def parts_to_device(self, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: self.to_device(v) for k, v in parts.items()}
-
 
 _END = object()
 
