@@ -339,8 +339,10 @@ def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypat
     values read on the host, whole chunks and parts alike, and a changed byte still fails the sha256."""
     from inkling_ckpt.layouts import pread
 
+    import threading
+
     monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
-    pread._stages.__dict__.clear()
+    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
     g = torch.Generator().manual_seed(3)
     a = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     e = torch.randn(5, 24, 40, generator=g)

@@ -80,7 +80,7 @@ def _read_to_device(fd: int, offset: int, count: int, truncated: str, device: to
     while pos < count:
         buf, copied = stage[i & 1]
         copied.synchronize()  # the copy out of this buffer (two pieces ago) has finished
-        k = min(STAGE_BYTES, count - pos)
+        k = min(buf.numel(), count - pos)
         view = memoryview(buf.numpy())[:k]  # type: ignore[arg-type]
         _pread_into(fd, view, offset + pos, truncated)
         if hasher is not None:
