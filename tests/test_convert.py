@@ -522,10 +522,10 @@ def test_big_dense_tensors_move_in_row_slices(tmp_path, monkeypatch):
     hf_reads: list[tuple[str, int]] = []
     rows_of = HFCheckpoint.read_rows
 
-    def recording(self, name, start, stop):  # type: ignore[no-untyped-def]
+    def recording(self, name, start, stop, **kw):  # type: ignore[no-untyped-def]
         t = self.tensors[name]
         hf_reads.append((name, (stop - start) * t.nbytes // t.shape[0] if t.shape else t.nbytes))
-        return rows_of(self, name, start, stop)
+        return rows_of(self, name, start, stop, **kw)
 
     monkeypatch.setattr(HFCheckpoint, "read_rows", recording)
     hf_to_megatron(src, tmp_path / "mg", options=Options(device="cpu", progress=False))
@@ -545,8 +545,8 @@ def test_big_dense_tensors_move_in_row_slices(tmp_path, monkeypatch):
     positioned: list[str] = []
     read, region = TorchDistCheckpoint.read, TorchDistCheckpoint._chunk_region
 
-    def read_recording(self, key, offsets=None, sizes=None):  # type: ignore[no-untyped-def]
-        t = read(self, key, offsets, sizes)
+    def read_recording(self, key, offsets=None, sizes=None, **kw):  # type: ignore[no-untyped-def]
+        t = read(self, key, offsets, sizes, **kw)
         regions[key] = max(regions.get(key, 0), t.nbytes)
         return t
 
@@ -600,7 +600,7 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
 
     specs = inventory(src.cfg, src.plan, dtypes=src.dtypes())
     for host, keep in ((True, True), (True, False), (False, True), (False, False)):
-        units = _plan_to_hf(m, specs, src.plan, 1 << 20, on_host=host, reference_read=keep)
+        units = _plan_to_hf(m, specs, src.plan, 1 << 20, device_type="cpu" if host else "cuda", reference_read=keep)
         experts = [u for u in units if expert_slice(u) is not None]
         assert experts
         for u in experts:

@@ -195,12 +195,12 @@ def test_tensors_move_in_row_blocks_and_ep_slices_read_only_their_rank(tiny_rele
     reads: list[str] = []
     real = HFCheckpoint.read_rows
 
-    def spy(self, name, start, stop):
+    def spy(self, name, start, stop, **kw):
         st = self.tensors[name]
         row = st.nbytes // st.shape[0] if st.shape else st.nbytes
         assert (stop - start) * row <= max(2048, row), name  # one block, never a whole layer
         reads.append(name)
-        return real(self, name, start, stop)
+        return real(self, name, start, stop, **kw)
 
     monkeypatch.setattr(HFCheckpoint, "read_rows", spy)
     shard(src, tmp_path / "sh", 4, 4, progress=False)

@@ -318,19 +318,19 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
            "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
-    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, on_host=ex.device.type == "cpu", reference_read=scales == "keep")
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, device_type=ex.device.type, reference_read=scales == "keep")
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
                     files=files, force=force)
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
-                on_host: bool = True, reference_read: bool = False) -> list[Unit]:
+                device_type: str = "cpu", reference_read: bool = False) -> list[Unit]:
     """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
     rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
     torch_dist chunks).
 
-    An expert slice's ``hold_bytes`` for the memory budget: on the CPU (``on_host``) the stored slice
+    An expert slice's ``hold_bytes`` for the memory budget: on the CPU the stored slice
     twice (held while reordered to the HF layout, then its copy) and what it writes, with
     ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it
     writes; on a GPU, where both are read straight onto it, only what it writes.
@@ -339,8 +339,8 @@ def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
     units = release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
 
-    if not on_host:
-        return read_on_device(units, "cuda")
+    if device_type != "cpu":
+        return read_on_device(units, device_type)
 
     def hold(u: Unit) -> int:
         return 2 * u.read_bytes + (2 if reference_read else 1) * u.write_bytes
@@ -358,8 +358,7 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
             e = by_hf[stack.name]
             # One expression: the stored slice is freed once reordered to the HF layout (a copy).
             # On a GPU the chunks go straight onto it (small pinned buffers, no host copy of the slice).
-            on_gpu = {} if ex.device.type == "cpu" else {"device": ex.device}
-            w = m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]), **on_gpu))
+            w = m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]), device=ex.device))
             got = to_host(encoder.encode(stack, a, w))
             return {stack.name + k: v for k, v in got.items()}
         out: dict[str, torch.Tensor] = {}

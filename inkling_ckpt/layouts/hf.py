@@ -168,8 +168,7 @@ class HFCheckpoint:
         st = self.tensors.get(name)
         if st is None:
             raise CheckpointError(f"{self.root}: no tensor {name}")
-        rows = st.shape[0] if st.shape else 1
-        return self.read_rows(name, 0, rows) if device is None else self.read_rows(name, 0, rows, device=device)
+        return self.read_rows(name, 0, st.shape[0] if st.shape else 1, device=device)
 
     def read_rows(self, name: str, start: int, stop: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor (along dim 0), reading only their bytes (onto ``device``)."""

@@ -617,6 +617,11 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
         active.append((off, size))
 
 
+def _whole(c_off: Sequence[int], c_size: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> bool:
+    """The region ``lo:hi`` (global coordinates) is the whole chunk at ``c_off`` of ``c_size``."""
+    return list(lo) == list(c_off) and [y - o for y, o in zip(hi, c_off, strict=True)] == list(c_size)
+
+
 @dataclass(frozen=True)
 class _BlobLayout:
     """Where a stored chunk's elements lie in its data file: a plain tensor in an uncompressed record."""
@@ -926,17 +931,15 @@ class TorchDistCheckpoint:
             if tuple(c_off) == off and tuple(c_size) == size:
                 return self.read_chunk(key, c_off, device=device)
         out = torch.empty(size, dtype=st.dtype, device=device)
+        on_device = device is not None and torch.device(device).type != "cpu"
         covered = 0
         for c_off, c_size in st.chunks:
             lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
             hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
             if any(y <= x for x, y in zip(lo, hi, strict=True)):
                 continue
-            whole = [x - b for x, b in zip(lo, c_off, strict=True)] == [0] * len(lo) and \
-                [y - b for y, b in zip(hi, c_off, strict=True)] == list(c_size)
-            on_device = device is not None and torch.device(device).type != "cpu"
             # A whole chunk bound for a GPU goes straight there (no host copy, nothing cached).
-            src = self.read_chunk(key, tuple(c_off), device=device) if whole and on_device \
+            src = self.read_chunk(key, tuple(c_off), device=device) if on_device and _whole(c_off, c_size, lo, hi) \
                 else self._chunk_region(key, tuple(c_off), tuple(c_size), lo, hi, device)
             if src is None:
                 chunk = self._cached_chunk(key, c_off)
@@ -966,10 +969,10 @@ class TorchDistCheckpoint:
                       hi: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor | None:
         """Elements ``lo:hi`` (global coordinates) of one stored chunk, read by position; None when the
         region is the whole chunk (read it whole: one pass checks and loads it) or the blob does not allow it."""
+        if _whole(c_off, c_size, lo, hi):
+            return None
         rel_lo = [x - o for x, o in zip(lo, c_off, strict=True)]
         rel_hi = [y - o for y, o in zip(hi, c_off, strict=True)]
-        if all(a == 0 for a in rel_lo) and list(c_size) == rel_hi:
-            return None
         lay = self._layout(key, c_off)
         if lay is None:
             return None

@@ -120,45 +120,40 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
         return blob
 
     with _no_crc32():  # the whole stream, restored once every worker is done
-        return _write_stream(root, stream, build, done, resumed, on_written, map_items)
-
-
-def _write_stream(root: Path, stream: list[ChunkItem | ObjectItem], build: Callable[[Any], "_Blob"], done: Locations,
-                  resumed: int, on_written: Written, map_items: MapItems | None) -> tuple[Locations, int]:
-    syncer = Lane("inkling-fsync")
-    f: Any = None
-    current = -1
-    results: list[tuple[tuple[str, tuple[int, ...] | None], int, int]] = []
-    sums: list[str] = []
-    try:
-        for item, blob in (map_items or _read_ahead)(stream, build):
-            if item.unit != current:
-                if f is not None:
-                    g, f = f, None  # the syncer's from here on (it closes it)
-                    syncer.submit(_finish_unit, root, g, current, results, sums)
-                current, results, sums = item.unit, [], []
-                f = open(root / _unit_file(current, ".partial"), "wb")
-            start = f.tell()
-            for part in blob.parts:
-                f.write(part)
-            length = f.tell() - start
-            sums.append(f"{start} {length} {blob.hexdigest()}\n")
-            index = item_index(item)
-            results.append((index, start, length))
-            done[index] = (_unit_file(current), start, length)
-            if blob.tensor_bytes:
-                on_written(blob.tensor_bytes, current, False)
-            del blob
-        if f is not None:
-            g, f = f, None
-            syncer.submit(_finish_unit, root, g, current, results, sums)
-    finally:
-        if f is not None:
-            f.close()
-        syncer.settle(raise_errors=False)  # every file handed over is settled before returning or raising
-        syncer.close()
-    syncer.settle()
-    return done, resumed
+        syncer = Lane("inkling-fsync")
+        f: Any = None
+        current = -1
+        results: list[tuple[tuple[str, tuple[int, ...] | None], int, int]] = []
+        sums: list[str] = []
+        try:
+            for item, blob in (map_items or _read_ahead)(stream, build):
+                if item.unit != current:
+                    if f is not None:
+                        g, f = f, None  # the syncer's from here on (it closes it)
+                        syncer.submit(_finish_unit, root, g, current, results, sums)
+                    current, results, sums = item.unit, [], []
+                    f = open(root / _unit_file(current, ".partial"), "wb")
+                start = f.tell()
+                for part in blob.parts:
+                    f.write(part)
+                length = f.tell() - start
+                sums.append(f"{start} {length} {blob.hexdigest()}\n")
+                index = item_index(item)
+                results.append((index, start, length))
+                done[index] = (_unit_file(current), start, length)
+                if blob.tensor_bytes:
+                    on_written(blob.tensor_bytes, current, False)
+                del blob
+            if f is not None:
+                g, f = f, None
+                syncer.submit(_finish_unit, root, g, current, results, sums)
+        finally:
+            if f is not None:
+                f.close()
+            syncer.settle(raise_errors=False)  # every file handed over is settled before returning or raising
+            syncer.close()
+        syncer.settle()
+        return done, resumed
 
 
 def _chunk_tensor(item: ChunkItem, t: torch.Tensor) -> torch.Tensor:

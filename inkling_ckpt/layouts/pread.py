@@ -55,6 +55,7 @@ def staging_bytes(threads: int) -> int:
     """Pinned host memory ``threads`` reading threads hold for reads onto a GPU."""
     return 2 * STAGE_BYTES * max(0, threads)
 
+
 _stages = threading.local()
 
 

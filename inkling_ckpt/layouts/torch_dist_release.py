@@ -180,8 +180,7 @@ class TorchDistRelease:
         t = self._tensor(name)
         e = self.mapping.entry(t.key)
         if e.stacked:
-            n = t.shape[0]
-            return self.read_rows(name, 0, n) if device is None else self.read_rows(name, 0, n, device=device)
+            return self.read_rows(name, 0, t.shape[0], device=device)
         out = self.mapping.to_hf(e.key, self.reader.read(e.key)).contiguous()
         return out if device is None else out.to(device)
 
