@@ -916,9 +916,6 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{self.folder}: no tensor {key}")
         return self._read_stored(st, offsets, sizes, device)
 
-    #: read takes ``device=`` (see TorchDistRelease, which hands it on).
-    reads_to_device = True
-
     def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None,
                      device: torch.device | str | None = None) -> torch.Tensor:
         key = st.key
