@@ -5,7 +5,8 @@
 
 Each of N workers encodes (or decodes) its own ``[experts, 4608, 2304]`` BF16 stack with
 ``encode_stacked`` / ``decode_stacked``, as the pipeline's transforms do; the figure is million
-elements per second over all workers, after one warm-up round. Layouts per row: one worker with
+elements per second over all workers, after one warm-up round, and in brackets the peak resident
+size above the inputs (outputs and temporaries of all workers together). Layouts per row: one worker with
 one torch thread, 4 workers splitting the cores' torch threads (the pipeline's CPU default),
 one worker per core with one thread, and one *process* per core with one thread (fork). Beside
 them, the baseline: the same workers copying the same BF16 bytes (``clone``), in GB/s of input.
@@ -22,6 +23,7 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -59,12 +61,28 @@ def threads(fmt: str, op: str, workers: int, torch_threads: int, experts: int, r
         for _ in range(reps):
             _once(fmt, op, xs[i])
 
+    base, peak, stop = memory.resident_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.001):
+            peak[0] = max(peak[0], memory.resident_bytes())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(job, range(workers)))  # warm-up
         t = time.perf_counter()
         list(pool.map(job, range(workers)))
         dt = time.perf_counter() - t
+        stop.set()
+        sampler.join()
+    WORKING_SET[(fmt, op, workers, torch_threads)] = max(0, peak[0] - base)
     return workers * reps * experts * ROWS * COLS / dt / 1e6
+
+
+#: Peak resident bytes above the inputs during each run of ``threads`` (warm-up and timed round):
+#: the outputs and the codecs' temporaries of all workers together.
+WORKING_SET: dict[tuple[str, str, int, int], int] = {}
 
 
 def _child(fmt: str, op: str, experts: int, reps: int, chunk: int, ready: object, go: object, done: object) -> None:
@@ -109,6 +127,9 @@ def main() -> None:
     ap.add_argument("--heap", choices=["pipeline", "mmap-1m", "mmap-4m"], default="pipeline",
                     help="pipeline: the commands' settings; mmap-1m: 1 MiB mmap / 16 MiB trim thresholds (before "
                          "2^20 chunks); mmap-4m: 4 MiB / 16 MiB (for 2^19 chunks)")
+    ap.add_argument("--layouts", nargs="+", default=None, metavar="WxT",
+                    help="workers x torch threads to run (default: 1x1, 4 x cores/4, cores x 1)")
+    ap.add_argument("--no-processes", action="store_true", help="skip the one-process-per-core column")
     args = ap.parse_args()
     if args.heap == "mmap-1m":
         memory.MMAP_THRESHOLD, memory.TRIM_THRESHOLD = 1 << 20, 16 << 20
@@ -117,6 +138,8 @@ def main() -> None:
     memory.steady_memory()
     n = os.cpu_count() or 1
     layouts = sorted({(1, 1), (min(4, n), max(1, n // 4)), (n, 1)})
+    if args.layouts:
+        layouts = [(int(w), int(t)) for w, _, t in (x.partition("x") for x in args.layouts)]
     print(f"{n} cores, torch {torch.__version__}, heap {args.heap} (mmap threshold "
           f"{memory.MMAP_THRESHOLD >> 20} MiB, trim {memory.TRIM_THRESHOLD >> 20} MiB); Melem/s over all workers",
           flush=True)
@@ -126,8 +149,10 @@ def main() -> None:
         fmt, _, op = spec.partition("-")
         for chunk in args.chunks:
             _base.CHUNK_ELEMS = 1 << chunk
-            row = [f"{w}x{t}: {threads(fmt, op, w, t, args.experts, args.reps):6.0f}" for w, t in layouts]
-            row.append(f"{n} processes: {processes(fmt, op, n, args.experts, args.reps):6.0f}")
+            row = [f"{w}x{t}: {threads(fmt, op, w, t, args.experts, args.reps):6.0f} "
+                   f"(+{WORKING_SET[(fmt, op, w, t)] >> 20} MiB)" for w, t in layouts]
+            if not args.no_processes:
+                row.append(f"{n} processes: {processes(fmt, op, n, args.experts, args.reps):6.0f}")
             print(f"{spec:13s} chunk 2^{chunk}: " + "  ".join(row), flush=True)
 
 
