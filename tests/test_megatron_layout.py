@@ -364,6 +364,31 @@ def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypat
 
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_tensors_written_through_small_buffers_are_their_host_bytes(tmp_path, monkeypatch):
+    """The HF writer brings a GPU result down piece by piece through two pinned buffers (many pieces
+    here, and a tensor made contiguous on the copy stream first): the file holds its host bytes,
+    after what was written before it."""
+    import threading
+
+    from inkling_ckpt.layouts import pread
+
+    monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    cases = {"pieces": w, "transposed": w.t(), "odd": torch.randint(0, 256, (10001,), dtype=torch.uint8, generator=g),
+             "one piece": w[:3], "empty": w[:0], "scalar": torch.tensor(2.5)}
+    for name, t in cases.items():
+        path = tmp_path / "out.bin"
+        with open(path, "wb") as fh:
+            fh.write(b"head")
+            n = pread.write_from(fh, t.cuda())
+        want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert n == len(want) and path.read_bytes() == b"head" + want, name
+
+
 def test_blobs_serialized_at_once_on_several_workers_all_leave_out_the_crc32(tmp_path, monkeypatch):
     """torch.save's CRC32 switch is per process in torch up to 2.12 (per thread from 2.13): a worker
     turning it off and back on around its own save let another worker's save write CRCs, so a blob's

@@ -48,7 +48,7 @@ from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
     Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate, expert_slice,
-    read_on_device, release_units, run_staged, to_host, write_hf,
+    read_on_device, release_units, run_staged, write_hf,
 )
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
 from .requantize import TensorSource, read_dense
@@ -333,7 +333,8 @@ def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan
     An expert slice's ``hold_bytes`` for the memory budget: on the CPU the stored slice
     twice (held while reordered to the HF layout, then its copy) and what it writes, with
     ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it
-    writes; on a GPU, where both are read straight onto it, only what it writes.
+    writes; on a GPU, where both are read straight onto it and the result is written from there,
+    nothing (``read_on_device``).
     """
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
@@ -359,7 +360,7 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
             # One expression: the stored slice is freed once reordered to the HF layout (a copy).
             # On a GPU the chunks go straight onto it (small pinned buffers, no host copy of the slice).
             w = m.to_hf(e.key, reader.read(e.key, (a, 0, 0), (b - a, *e.shape[1:]), device=ex.device))
-            got = to_host(encoder.encode(stack, a, w))
+            got = encoder.encode(stack, a, w)  # on a GPU written from there (read_on_device)
             return {stack.name + k: v for k, v in got.items()}
         out: dict[str, torch.Tensor] = {}
         for name, a, b in unit.pieces:

@@ -24,7 +24,7 @@ from ..model.precision import PrecisionPlan, dense_as
 from ..model.quant_config import output_config
 from ..pipeline import (
     DEFAULT_SLICE_BYTES, Executor, Options, Result, Unit, device_kind, estimate, expert_slice, read_on_device,
-    release_units, to_host, write_hf,
+    release_units, write_hf,
 )
 from ..pipeline.units import expert_slices as _expert_slices
 from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
@@ -138,14 +138,16 @@ def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex
             return read_dense(src, unit.pieces)
         out, first, last = sl
         inp = in_stacks[out.name]
+        # On a GPU the slice goes up and its result is written from there (the writer brings it down
+        # piece by piece): the host holds neither, which is what read_on_device charges.
         if out.fmt == inp.fmt:
-            got = read_parts(src, inp, first, last)  # same format: the stored bytes as they are
+            got = read_parts(src, inp, first, last, device=ex.device)  # same format: the stored bytes as they are
         else:
             # Unquantized output: decoded straight to its dtype (one rounding); quantized: from the
             # source's natural dtype (an F32 source is encoded from its F32 values).
             x = decode_slice(src, inp, first, last, allow_nonfinite=encoder.allow_nonfinite,
                              dtype=UNQUANTIZED.get(out.fmt), device=ex.device)
-            got = to_host(encoder.encode(out, first, x))
+            got = encoder.encode(out, first, x)
         return {out.name + k: v for k, v in got.items()}
     return run
 

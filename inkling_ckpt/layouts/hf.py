@@ -31,7 +31,7 @@ from ..model.quant_config import check_quant_config
 from .lane import Lane
 from .limits import check_config_bounds, config_from_dict
 from .paths import check_name, check_regular, copy_new, inside, open_regular, pass_through
-from .pread import read_exact
+from .pread import read_exact, write_from
 from .hub import hub_access, resolve_source, split_repo_id
 from .staging import DONE_FILE, JOB_FILE, write_new
 
@@ -521,9 +521,8 @@ class HFWriter:
         a, _ = shard.offsets[name]
         row_bytes = spec.nbytes // spec.shape[0] if spec.shape and spec.shape[0] else spec.nbytes
         fh.seek(len(shard.header) + a + start * row_bytes)
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
-        self._since_checkpoint += data.nbytes
+        # A GPU result comes down piece by piece through small pinned buffers: never whole on the host.
+        self._since_checkpoint += write_from(fh, tensor)
         shard.journal.append(f"{name} {start} {start + rows}")
         self._done_rows(shard, name, start, rows)
         if not shard.remaining:

@@ -94,6 +94,54 @@ def _read_to_device(fd: int, offset: int, count: int, truncated: str, device: to
     return out
 
 
+def write_from(fh: Any, tensor: torch.Tensor) -> int:
+    """Write ``tensor``'s bytes at ``fh``'s position; returns how many.
+
+    A CPU tensor is written as it is. A GPU tensor comes down through this thread's two pinned
+    buffers (:func:`_stage`) on a stream of its own, each piece copied while the one before is
+    written, so the host never holds the tensor (the reads' counterpart). The tensor must be
+    ready (its producer's stream synchronized); every copy has finished when this returns.
+    """
+    if tensor.device.type == "cpu":
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+        return int(data.nbytes)
+    dev = tensor.device
+    stage, stream = _stage(dev), _copy_stream(dev)
+    pos, i = 0, 0
+    waiting: tuple[torch.Tensor, int, Any] | None = None  # the piece copied last, not yet written
+    with torch.cuda.stream(stream):  # a copy made contiguous here is ordered before the pieces
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        count = flat.numel()
+        while pos < count or waiting is not None:
+            nxt = None
+            if pos < count:
+                # This buffer's last piece (two ago) was written before the previous one was copied.
+                buf, copied = stage[i & 1]
+                k = min(buf.numel(), count - pos)
+                buf[:k].copy_(flat[pos:pos + k], non_blocking=True)
+                copied.record(stream)
+                nxt, pos, i = (buf, k, copied), pos + k, i + 1
+            if waiting is not None:
+                buf, k, copied = waiting
+                copied.synchronize()
+                fh.write(memoryview(buf.numpy())[:k])  # type: ignore[arg-type]
+            waiting = nxt
+    return count
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """This thread's stream for copies off ``device``: not the legacy default stream, which would
+    wait for every worker's kernels."""
+    per = getattr(_stages, "streams", None)
+    if per is None:
+        per = _stages.streams = {}
+    st = per.get(device)
+    if st is None:
+        st = per[device] = torch.cuda.Stream(device)
+    return st
+
+
 class TensorFile:
     """A safetensors file read with plain ``pread`` at the header's offsets, never memory-mapped:
     what was read is not kept resident, so memory stays bounded by the tensors held (a mapped

@@ -209,8 +209,9 @@ class Executor:
         self.stats.start_rss_bytes = resident_bytes()
         asked = int(self.options.memory_bytes)
         # On a GPU each worker reads through its own pinned buffers (layouts.pread), allocated on its
-        # first read: part of the process's size, not of any unit's.
-        staged = staging_bytes(self.workers) if self.device.type == "cuda" else 0
+        # first read, and the writer brings results down through its own: part of the process's size,
+        # not of any unit's.
+        staged = staging_bytes(self.workers + 1) if self.device.type == "cuda" else 0
         self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes + staged)
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
@@ -417,11 +418,6 @@ def _result_memory(item: Any) -> int:
     return item.write_bytes if isinstance(item, Unit) else 0
 
 
-def to_host(parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every tensor of ``parts`` on the CPU (waits for the copies)."""
-    return {k: (v if v.device.type == "cpu" else v.to("cpu")) for k, v in parts.items()}
-
-
 __all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_MEMORY_BYTES", "default_budget", "MAX_DEFAULT_WORKERS",
            "MAX_DEFAULT_GPU_WORKERS", "cores",
-           "share_cores", "to_host"]
+           "share_cores"]

@@ -110,11 +110,13 @@ def expert_slice(unit: Unit) -> tuple[ExpertStack, int, int] | None:
 
 def read_on_device(units: Sequence[Unit], device_type: str) -> list[Unit]:
     """``units`` charged for a run whose expert slices read their stored parts straight onto a GPU
-    (``read_parts(..., device=)``): such a slice holds only its result on the host, so its
-    ``hold_bytes`` is what it writes (at least 1 byte); on the CPU, and for other units, unchanged."""
+    (``read_parts(..., device=)``) and leave their results there for the HF writer (which brings
+    them down through small pinned buffers, ``layouts.pread.write_from``): such a slice holds
+    nothing on the host beyond those buffers, which count in the process's size, so its
+    ``hold_bytes`` is 1; on the CPU, and for other units, unchanged."""
     if device_type == "cpu":
         return list(units)
-    return [replace(u, hold_bytes=max(1, u.write_bytes)) if expert_slice(u) is not None else u for u in units]
+    return [replace(u, hold_bytes=1) if expert_slice(u) is not None else u for u in units]
 
 
 def release_units(specs: Sequence[TensorSpec], stacks: Mapping[str, ExpertStack], slice_bytes: int, layers: int, *,
