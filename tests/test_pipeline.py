@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -248,59 +247,6 @@ def test_the_default_budget_holds_units_back_while_the_process_is_near_one_gib(m
     asked = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100 * mib))
     _concurrency(asked, units)
     assert asked.stats.most_in_flight > 2 and asked.stats.rss_holds == 0
-
-
-def test_units_whose_host_bytes_come_at_their_end_count_while_running(monkeypatch):
-    """On a GPU a unit reads onto the device and allocates its host result only when done: the
-    resident-size check counts running units too, else units all started near 1 GiB pass it together
-    when they finish (the H200's BF16-writing runs, 12-50 MiB over)."""
-    import inkling_ckpt.pipeline.executor as executor_mod
-
-    mib = 2**20
-    count = {"started": 0, "allocated": 0, "held": 0, "peak": 0}  # held: allocated, not yet dropped
-    lock = threading.Lock()
-    size_of = lambda: 900 * mib + count["held"] * 10 * mib  # noqa: E731
-    monkeypatch.setattr(executor_mod, "resident_bytes", size_of)
-
-    def until(ready: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + 10
-        while not ready():
-            assert time.monotonic() < deadline, count
-            time.sleep(0.001)
-
-    def run(at_end: bool) -> int:
-        count.update(started=0, allocated=0, held=0, peak=0)
-        gate = threading.Event()  # the units after the first stay on the device until it opens
-
-        def late(u: Unit) -> str:
-            with lock:
-                count["started"] += 1
-            if u.key != "u0":
-                gate.wait(10)
-            with lock:  # the result comes back to the host
-                count["held"] += 1
-                count["allocated"] += 1
-                count["peak"] = max(count["peak"], size_of())
-            return u.key
-
-        ex = Executor(Options(device="cpu", workers=16, progress=False))
-        ex.host_bytes_at_end = at_end
-        units = [Unit(key=f"u{i}", write_bytes=10 * mib) for i in range(40)]
-        for u, _ in ex.map(units, late):
-            if u.key == "u0":
-                # Once the first batch runs, the executor hands out more as this returns; then they all
-                # come back together (none dropped before every running unit has allocated).
-                until(lambda: count["started"] >= 12)
-                threading.Timer(0.5, gate.set).start()
-            else:
-                until(lambda: count["allocated"] == count["started"])
-            with lock:
-                count["held"] -= 1
-        assert count["held"] == 0 and count["allocated"] == len(units)
-        return count["peak"]
-
-    assert run(at_end=True) <= 2**30 < run(at_end=False)
-    assert Executor(Options(device="cpu", progress=False)).host_bytes_at_end is False
 
 
 def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():

@@ -196,11 +196,6 @@ class Executor:
         self.budget_bytes = 0
         #: With the default budget, the resident size a new unit must fit under (0: no such check).
         self.peak_rss_bytes = 0
-        #: A running unit has not yet allocated what it is charged, so the resident-size check counts
-        #: it as well: on a GPU its parts are read onto the device and its host result comes at its end
-        #: (counting only the units not begun let the H200's BF16-writing runs end 12-50 MiB over
-        #: 1 GiB). On the CPU a unit allocates as it runs, and counting it twice would hold back work.
-        self.host_bytes_at_end = self.device.type == "cuda"
         self._measure_start()
 
     def _measure_start(self) -> None:
@@ -216,7 +211,7 @@ class Executor:
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
         # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
-        # default also holds a unit back while the process, plus the units that cannot have allocated yet, plus
+        # default also holds a unit back while the process, plus the units no worker has begun yet, plus
         # that unit would pass DEFAULT_PEAK_RSS_BYTES. A check of the size alone let the H200 node's runs
         # peak 0-55 MiB over 1 GiB; keeping 64 MiB more in reserve held them at 974-1021 MiB on CUDA but
         # slowed megatron-to-hf 86 -> 68 % of plain (full-size layer) and left the CPU runs over (their
@@ -288,12 +283,9 @@ class Executor:
             # third), so the budget keeps the workers busy instead of the queue.
             return handed + sum(d if f.done() else c for _, c, d, f, _ in pending)
 
-        late = self.host_bytes_at_end
-
-        def not_allocated() -> int:
-            # What pending units charge but cannot have allocated yet: no worker has begun them (or,
-            # on a GPU, they are still running).
-            return sum(c for _, c, _, f, begun in pending if not begun[0] or (late and not f.done()))
+        def not_begun() -> int:
+            # What pending units charge but cannot have allocated yet: a worker has not picked them up.
+            return sum(c for _, c, _, _, begun in pending if not begun[0])
 
         def start(u: Any, begun: list[bool]) -> T:
             begun[0] = True
@@ -310,7 +302,7 @@ class Executor:
                 if pending or handing_out:  # else it starts whatever it costs: at least one unit runs
                     if in_flight() + c > self.budget_bytes:
                         return
-                    if self.peak_rss_bytes and resident_bytes() + not_allocated() + c > self.peak_rss_bytes:
+                    if self.peak_rss_bytes and resident_bytes() + not_begun() + c > self.peak_rss_bytes:
                         stats.rss_holds += 1
                         return
                 u = held.pop()
