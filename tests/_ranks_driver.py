@@ -92,4 +92,10 @@ if __name__ == "__main__":
     if rank == 0 and results:
         print("RESULT " + json.dumps(results), flush=True)
     dist.destroy_process_group()
-    sys.exit(worst)
+    # Out without the interpreter's finalization: under load, one rank in a few dozen aborted there
+    # ("terminate called without an active exception", SIGABRT; every job already published and the
+    # RESULT line out), which gloo's threads are known to do when Python objects they hold are freed
+    # during finalization (pytorch/pytorch#179291). What the test checks is done by then.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(worst)
