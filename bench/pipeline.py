@@ -238,13 +238,7 @@ def grid(args: argparse.Namespace) -> dict:
             m.update({"command": command, "device": device, "ranks": ranks, "memory_mb": memory_mb, "bytes_read": nread,
                       "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
             m["share_of_plain"] = m["mb_s"] / before["mb_s"]
-            # The same bytes over the slowest rank's time in its executor: the rate once running,
-            # without process start (imports), planning and exit, which a 394 GB job does not notice.
-            busy = executor_seconds(m)
-            m["steady_share_of_plain"] = (nread + nwritten) / busy / 1e6 / before["mb_s"] if busy else None
-            # What the wall time holds besides the executor: imports, CUDA, planning, publishing, exit.
-            # It does not depend on the disk, so it compares across machines that run at other rates.
-            m["fixed_seconds"] = m["seconds"] - busy if busy else None
+            running_figures(m, nread + nwritten, before["mb_s"])
             if args.check_bytes:
                 d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
                 m["same_bytes_as_first"] = digests.setdefault(command, d) == d
@@ -253,9 +247,7 @@ def grid(args: argparse.Namespace) -> dict:
             write_json(res, args, partial=True)
             print(f"  {command:15s} {device:4s} x{ranks}" + (f" {memory_mb} MiB" if memory_mb else "")
                   + f": {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
-                  f"{m['share_of_plain']:4.0%} of plain"
-                  + (f" ({m['steady_share_of_plain']:4.0%} running, fixed {m['fixed_seconds']:.1f} s)"
-                     if m["steady_share_of_plain"] else "")
+                  f"{m['share_of_plain']:4.0%} of plain" + running_text(m)
                   + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
                   f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
                   + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
@@ -286,6 +278,27 @@ def grid(args: argparse.Namespace) -> dict:
 def executor_seconds(step: dict) -> float:
     """The slowest rank's time in its executor (from its first units), 0 when the step reports none."""
     return max((r["seconds"] for r in step["rank_stats"]), default=0.0)
+
+
+def running_figures(step: dict, nbytes: int, plain_mb_s: float) -> float:
+    """Add the step's share of plain once running and its fixed cost; returns its executor time (0: none).
+
+    Running: the same bytes over the slowest rank's time in its executor, without process start
+    (imports), planning and exit, which a 394 GB job does not notice. Fixed: what the wall time holds
+    besides the executor (imports, CUDA, planning, publishing, exit); it does not depend on the disk,
+    so it compares across machines that run at other rates.
+    """
+    busy = executor_seconds(step)
+    step["steady_share_of_plain"] = nbytes / busy / 1e6 / plain_mb_s if busy else None
+    step["fixed_seconds"] = step["seconds"] - busy if busy else None
+    return busy
+
+
+def running_text(step: dict) -> str:
+    """`` (N % running, fixed S s)`` for a step with executor figures, else nothing."""
+    if not step.get("steady_share_of_plain"):
+        return ""
+    return f" ({step['steady_share_of_plain']:4.0%} running, fixed {step['fixed_seconds']:.1f} s)"
 
 
 def rank_speedups(steps: list[dict]) -> list[dict]:
@@ -332,17 +345,14 @@ def full_layer(args: argparse.Namespace) -> dict:
         m.update({"command": name, "bytes_read": nread, "bytes_written": nwritten,
                   "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
         m["share_of_plain"] = m["mb_s"] / res["plain"]["mb_s"]
-        busy = executor_seconds(m)
-        m["steady_share_of_plain"] = (nread + nwritten) / busy / 1e6 / res["plain"]["mb_s"] if busy else None
-        m["fixed_seconds"] = m["seconds"] - busy if busy else None
+        busy = running_figures(m, nread + nwritten, res["plain"]["mb_s"])
         # The release is one process per step, not 48: its executor runs 48 layers, its fixed cost
         # (imports, CUDA, planning, publishing, exit) is paid once.
         m["release_seconds"] = 48 * busy + m["fixed_seconds"] if busy else 48 * m["seconds"]
         res["steps"].append(m)
         write_json(res, args, partial=True)
         print(f"  {name:15s} {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  {m['share_of_plain']:4.0%} of plain"
-              + (f" ({m['steady_share_of_plain']:4.0%} running, fixed {m['fixed_seconds']:.1f} s)" if busy else "")
-              + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB", flush=True)
+              + running_text(m) + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB", flush=True)
         # Free the disk: an input no later step reads goes now (the GPU machine has 64 GB).
         # (what a later step names on its command line counts too: megatron-to-hf's --reference)
         later = {p for _, a, ins, _ in plan[i + 1:] for p in [*ins, *map(Path, a)]}
