@@ -332,6 +332,14 @@ def test_positioned_reads_feed_a_hash_with_the_bytes_they_read(tmp_path):
         os.close(fd)
 
 
+def test_only_a_device_off_the_host_takes_the_gpu_read_path():
+    """``off_host``: the readers' one test for "read through the pinned buffers" (None: read on the host)."""
+    from inkling_ckpt.layouts.pread import off_host
+
+    assert off_host(None) is None and off_host("cpu") is None and off_host(torch.device("cpu")) is None
+    assert off_host("cuda") == torch.device("cuda") and off_host(torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ import torch
 from ..errors import PlanError
 from ..formats import get_format
 from ..formats.stacked import AMAX, SCALE, UNQUANTIZED, WEIGHT, decode_stacked, encode_stacked, natural_dtype
+from ..layouts.pread import off_host
 from ..model.inventory import ExpertStack
 from ..model.precision import PrecisionPlan
 
@@ -37,7 +38,7 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
     """The stored parts of experts ``first:last`` of one stacked weight (scalars read whole), on
     ``device`` (default the CPU). A source with ``reads_to_device`` reads them straight onto a GPU
     (through small pinned buffers: no host copy of the slice); any other is read, then copied."""
-    dev = None if device is None or torch.device(device).type == "cpu" else torch.device(device)
+    dev = off_host(device)
     direct = dev is not None and getattr(src, "reads_to_device", False)
     onto: Any = src  # a source with reads_to_device takes device= (ScaleSource does not promise it)
     out = {}

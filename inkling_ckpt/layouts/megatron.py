@@ -58,7 +58,7 @@ import torch
 from ..errors import CheckpointError, ConfigError, IntegrityError
 from ..model.inventory import nbytes
 from .paths import check_regular, inside, open_regular
-from .pread import read_exact
+from .pread import off_host, read_exact
 from .megatron_names import COMMON, DCP_METADATA, METADATA_JSON, RELEASE, TRACKER  # re-exported
 from .dcp_records import (
     DCP_NAMES, BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex, SavePlan, TensorProperties,
@@ -817,10 +817,11 @@ class TorchDistCheckpoint:
         info, path = self._storage(key, offsets)
         what = f"{path}: chunk of {key}"
         sizes = dict(st.chunks).get(offsets)
-        if device is not None and torch.device(device).type != "cpu" and sizes is not None:
+        gpu = off_host(device)
+        if gpu is not None and sizes is not None:
             lay = self._layout(key, offsets, verify=False)
             if lay is not None:
-                return self._read_chunk_to(key, info, path, lay, tuple(sizes), st.dtype, torch.device(device))
+                return self._read_chunk_to(key, info, path, lay, tuple(sizes), st.dtype, gpu)
         try:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
@@ -928,7 +929,7 @@ class TorchDistCheckpoint:
             if tuple(c_off) == off and tuple(c_size) == size:
                 return self.read_chunk(key, c_off, device=device)
         out = torch.empty(size, dtype=st.dtype, device=device)
-        on_device = device is not None and torch.device(device).type != "cpu"
+        on_device = off_host(device) is not None
         covered = 0
         for c_off, c_size in st.chunks:
             lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]

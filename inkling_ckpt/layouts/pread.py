@@ -13,6 +13,14 @@ from ..errors import CheckpointError
 from ..model.inventory import nbytes
 
 
+def off_host(device: torch.device | str | None) -> torch.device | None:
+    """``device`` when it is not the host (a GPU: reads go there through pinned buffers), else None."""
+    if device is None:
+        return None
+    dev = torch.device(device)
+    return None if dev.type == "cpu" else dev
+
+
 def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torch.device | str | None = None,
                hasher: Any = None) -> torch.Tensor:
     """``count`` bytes at ``offset`` of an open file, as a uint8 tensor on ``device`` (default the CPU).
@@ -25,8 +33,8 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     object) is fed the bytes in order as they pass. A file that ends first raises
     ``CheckpointError(truncated)``; an ``OSError`` is the caller's to name.
     """
-    dev = torch.device(device) if device is not None else None
-    if dev is not None and dev.type != "cpu":
+    dev = off_host(device)
+    if dev is not None:
         return _read_to_device(fd, offset, count, truncated, dev, hasher)
     buf = torch.empty(count, dtype=torch.uint8)
     view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
