@@ -569,9 +569,9 @@ def test_big_dense_tensors_move_in_row_slices(tmp_path, monkeypatch):
 
 def test_the_memory_budget_counts_what_torch_dist_units_read():
     """hf-to-megatron's expert chunks cost their BF16 tensor plus the stored parts read to build it
-    (NVFP4: a quarter more, MXFP8: a half); megatron-to-hf's expert slices cost what they read and
+    (NVFP4: a quarter more, MXFP8: a half) on the CPU, 1 byte on a GPU; megatron-to-hf's expert slices cost what they read and
     write, the stored slice twice on the CPU, and the reference's slice too with --scales keep."""
-    from inkling_ckpt.convert.megatron import _blob_cost, _blob_done, _plan_to_hf, plan_megatron, source_mapping
+    from inkling_ckpt.convert.megatron import _blob_costs, _plan_to_hf, plan_megatron, source_mapping
     from inkling_ckpt.layouts.megatron import ObjectItem
     from inkling_ckpt.model.inventory import expert_stacks, inventory
     from inkling_ckpt.pipeline.units import expert_slice
@@ -579,24 +579,28 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
     src = HFCheckpoint.open(TINY["mixed"])
     m = source_mapping(src)
     chunks, objects, _ = plan_megatron(m)
-    cost = _blob_cost(src, m)
+    cost, done = _blob_costs(src, m, "cpu")
     stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
     stacked = {e.key: stacks[e.hf] for e in m.entries() if e.stacked}
     seen = set()
     for c in chunks:
         st = stacked.get(c.key)
         if st is None:
-            assert cost(c) == c.nbytes
+            assert cost(c) == c.nbytes == done(c)
             continue
         stored = sum(p.nbytes for p in st.parts()) * c.sizes[0] // st.shape[0]
         assert cost(c) == c.nbytes + stored and stored > 0
-        assert _blob_done(c) == c.nbytes  # once built, waiting for the writer: the serialized tensor alone
+        assert done(c) == c.nbytes  # once built, waiting for the writer: the serialized tensor alone
         seen.add(st.fmt)
     assert seen == {"nvfp4", "mxfp8"}
-    assert all(cost(o) == 0 == _blob_done(o) for o in objects) and isinstance(objects[0], ObjectItem)
-    # On a GPU the stored parts are read straight onto it: a chunk holds its BF16 tensor on the host.
-    on_gpu = _blob_cost(src, m, host_parts=False)
-    assert all(on_gpu(c) == c.nbytes for c in chunks) and on_gpu(objects[0]) == 0
+    assert all(cost(o) == 0 == done(o) for o in objects) and isinstance(objects[0], ObjectItem)
+    # On a GPU the stored parts are read straight onto it and the chunk is written from there: an
+    # expert chunk holds nothing on the host (1 byte); a dense one its tensor, read on the host.
+    on_gpu, gpu_done = _blob_costs(src, m, "cuda")
+    for c in chunks:
+        want = 1 if c.key in stacked else c.nbytes
+        assert on_gpu(c) == want == gpu_done(c)
+    assert on_gpu(objects[0]) == 0 == gpu_done(objects[0])
 
     specs = inventory(src.cfg, src.plan, dtypes=src.dtypes())
     for host, keep in ((True, True), (True, False), (False, True), (False, False)):

@@ -286,6 +286,52 @@ def test_a_blob_serialized_by_a_worker_keeps_the_tensor_uncopied():
     assert blob.tensor_bytes == x.nbytes
 
 
+def _stand_in_blob(x: torch.Tensor) -> tuple[bytes, str, bytes, str]:
+    """(bytes written, sha256) of ``x``'s blob made through a host stand-in with ``x`` in its storage's
+    place, beside those of ``torch.save(x.cpu())``. The stand-in is filled with other bytes: they must
+    not leak into the blob (torch.save never reads a storage it hands to write() without CRC32s)."""
+    import hashlib
+    import io
+
+    from inkling_ckpt.layouts.megatron_writer import _Blob, _no_crc32
+
+    stand_in = torch.full(tuple(x.shape), 7, dtype=x.dtype)
+    blob = _Blob(stand_in, on_device=x)
+    want = io.BytesIO()
+    got = io.BytesIO()
+    with _no_crc32():
+        torch.save(stand_in, blob)  # type: ignore[arg-type]
+        torch.save(x.cpu(), want)
+    blob.write_to(got)
+    return got.getvalue(), blob.hexdigest(), want.getvalue(), hashlib.sha256(want.getvalue()).hexdigest()
+
+
+def test_a_blob_with_its_tensor_in_place_of_a_stand_in_is_the_tensors_blob():
+    """hf-to-megatron on a GPU: the blob is serialized from an untouched host stand-in and the chunk
+    itself takes the storage's place, hashed and written from where it is (here the host path of the
+    same code): bytes and sha256 are torch.save's of the chunk."""
+    x = torch.randn(300, 70).bfloat16()
+    got, digest, want, want_digest = _stand_in_blob(x)
+    assert got == want and digest == want_digest
+    assert want != _stand_in_blob(torch.zeros_like(x))[0]  # the bytes are x's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_chunks_blob_is_hashed_and_written_from_the_gpu(monkeypatch):
+    """A GPU chunk in a blob: hashed through the worker's pinned buffers and written through the
+    writer's, in many small pieces here: torch.save's bytes and sha256 of the host copy."""
+    import threading
+
+    from inkling_ckpt.layouts import pread
+
+    monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
+    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
+    for x in (torch.randn(300, 70).bfloat16(), torch.randint(0, 256, (10001,), dtype=torch.uint8), torch.zeros(0, 4)):
+        got, digest, want, want_digest = _stand_in_blob(x.cuda())
+        assert got == want and digest == want_digest, tuple(x.shape)
+
+
 def test_a_blob_read_whole_is_not_streamed_again_for_a_part(tmp_path, monkeypatch):
     """A blob that passed its sha256 once (read whole) is not hashed again, streamed from the file,
     when a part of it is read later; one read for a part first checks it once for every later part."""

@@ -125,7 +125,7 @@ def chunk_producer(src: TensorSource, m: MegatronMapping, *, allow_nonfinite: bo
             # BF16: a wider unquantized source was allowed to round by check_expert_dtype
             w = decode_slice(src, stacks[e.hf], a, a + item.sizes[0], allow_nonfinite=allow_nonfinite,
                              dtype=torch.bfloat16, device=device)
-            return m.to_megatron(e.key, w).to("cpu")
+            return m.to_megatron(e.key, w)  # on a GPU written from there (megatron_writer)
         if tuple(item.sizes) == tuple(e.shape):
             return m.to_megatron(e.key, src.get(e.hf))
         a = item.offsets[0]  # a row range of a big tensor (the embeddings): only its rows are read
@@ -181,7 +181,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
     job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
-    blob_bytes = _blob_cost(src, m, host_parts=ex.device.type == "cpu")
+    blob_bytes, blob_done = _blob_costs(src, m, ex.device.type)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     layers = src.cfg.num_hidden_layers
     where = {unit_no[u]: _unit_where(m, u, layers) for u in m.units}
@@ -209,7 +209,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
                       key_order=order, map_items=lambda items, build: ex.map(items, build, cost=blob_bytes,
-                                                                     done_cost=_blob_done))
+                                                                     done_cost=blob_done))
 
     def finish(stage: Stage, _: None) -> None:
         finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
@@ -227,26 +227,35 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     return result
 
 
-def _blob_cost(src: TensorSource, m: MegatronMapping, *, host_parts: bool = True) -> Callable[[ChunkItem | ObjectItem], int]:
-    """Host bytes a chunk or object holds in flight, for the executor's memory budget: the chunk's
-    tensor (its serialized blob is a view of it) and, for experts read on the host (``host_parts``;
-    on a GPU they are read straight onto it), their stored parts (a quarter to a half more:
-    counting only the tensor left the H200 runs ~170 MiB over the budget); 0 for an object."""
-    stored = {st.name: (st.stored_bytes // max(1, st.shape[0]) if host_parts else 0)
-              for st in expert_stacks(src.cfg, src.plan)}
+Cost = Callable[[ChunkItem | ObjectItem], int]
+
+
+def _blob_costs(src: TensorSource, m: MegatronMapping, device_type: str = "cpu") -> tuple[Cost, Cost]:
+    """Host bytes a chunk or object holds in flight, for the executor's memory budget: while it is
+    built, and once built, waiting for the writer.
+
+    On the CPU an expert chunk holds its BF16 tensor (the serialized blob is a view of it) and,
+    while built, the stored parts it is decoded from (a quarter to a half more: counting only the
+    tensor left the H200 runs ~170 MiB over the budget). On a GPU the parts are read straight onto
+    it and the chunk stays there until the writer brings it down through small pinned buffers: 1
+    byte. A dense chunk holds its tensor; an object nothing.
+    """
+    on_host = device_type == "cpu"
+    stored = {st.name: st.stored_bytes // max(1, st.shape[0]) for st in expert_stacks(src.cfg, src.plan)}
     per_expert = {e.key: stored[e.hf] for e in m.entries() if e.stacked}
 
     def cost(item: ChunkItem | ObjectItem) -> int:
         if not isinstance(item, ChunkItem):
             return 0
-        return item.nbytes + per_expert.get(item.key, 0) * item.sizes[0]
-    return cost
+        if item.key not in per_expert:
+            return item.nbytes
+        return item.nbytes + per_expert[item.key] * item.sizes[0] if on_host else 1
 
-
-def _blob_done(item: ChunkItem | ObjectItem) -> int:
-    """What a built chunk holds while it waits for the writer: its serialized tensor (the stored
-    parts it was decoded from are gone)."""
-    return item.nbytes if isinstance(item, ChunkItem) else 0
+    def done(item: ChunkItem | ObjectItem) -> int:
+        if not isinstance(item, ChunkItem):
+            return 0
+        return item.nbytes if on_host or item.key not in per_expert else 1
+    return cost, done
 
 
 def _unit_where(m: MegatronMapping, unit: str, layers: int) -> str:

@@ -26,6 +26,7 @@ import torch
 from ..errors import CheckpointError
 from .lane import Lane
 from .megatron import SUMS_SUFFIX, UNITS_DIR, ChunkItem, ObjectItem
+from .pread import stream_down, write_from
 
 
 Produce = Callable[[ChunkItem], torch.Tensor]
@@ -111,12 +112,25 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
             blob.write(item.payload)
             return blob
         data = _chunk_tensor(item, produce(item))
-        blob = _Blob(data)
         # Off in this worker too (newer torch keeps the setting per thread), and never switched back on
         # here: where torch keeps it per process, a worker restoring it mid-run let another worker's
         # save write CRCs, so a blob's bytes depended on the schedule. write_units restores it once.
         torch.serialization.set_crc32_options(False)
-        torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
+        if data.device.type == "cpu":
+            blob = _Blob(data)
+            torch.save(data, blob)  # type: ignore[arg-type]  # needs only write(); torch annotates IO[bytes]
+            return blob
+        # A chunk on a GPU stays there until the writer brings it down piece by piece (write_from).
+        # Without CRC32s torch.save's bytes depend on the tensor only through its storage's bytes,
+        # which it hands to write() and never reads: a host stand-in of the same dtype and shape,
+        # never touched (so never resident), gives the blob's other bytes, and the blob keeps the
+        # GPU tensor in the storage's place. Its sha256 is taken here, the bytes brought down once
+        # more through this worker's pinned buffers (that copy costs far less than the hashing,
+        # which so stays on the workers instead of the one writing thread).
+        torch.cuda.current_stream(data.device).synchronize()  # ready for copies on another stream
+        stand_in = torch.empty(item.sizes, dtype=item.dtype)
+        blob = _Blob(stand_in, on_device=data)
+        torch.save(stand_in, blob)  # type: ignore[arg-type]
         return blob
 
     with _no_crc32():  # the whole stream, restored once every worker is done
@@ -134,8 +148,7 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
                     current, results, sums = item.unit, [], []
                     f = open(root / _unit_file(current, ".partial"), "wb")
                 start = f.tell()
-                for part in blob.parts:
-                    f.write(part)
+                blob.write_to(f)
                 length = f.tell() - start
                 sums.append(f"{start} {length} {blob.hexdigest()}\n")
                 index = item_index(item)
@@ -157,10 +170,13 @@ def write_units(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[Obj
 
 
 def _chunk_tensor(item: ChunkItem, t: torch.Tensor) -> torch.Tensor:
-    """The produced chunk as ``torch.save`` should store it: checked against the plan, on the host, one whole storage."""
+    """The produced chunk as ``torch.save`` should store it: checked against the plan, one whole
+    storage, on the host or left on a GPU (for the writer to bring down)."""
     if tuple(t.shape) != item.sizes or t.dtype != item.dtype:
         raise CheckpointError(f"{item.key}: produced {t.dtype} {list(t.shape)}, planned {item.dtype} {list(item.sizes)}")
-    t = t.detach().to("cpu")
+    t = t.detach()
+    if t.device.type not in ("cpu", "cuda"):
+        t = t.to("cpu")
     if not t.is_contiguous() or t.untyped_storage().nbytes() != t.nbytes:
         t = t.contiguous().clone()  # torch.save writes whole storages: never a view's base
     return t
@@ -220,12 +236,15 @@ class _Blob:
     ``torch.save`` writes through ``write``: small pieces (zip headers, the pickle) are copied,
     since the writer reuses their memory; the one piece that is ``values``' own storage is kept
     as a view of it (copying each tensor once more cost as much as the write itself). Every
-    piece is hashed as it arrives.
+    piece is hashed as it arrives. With ``on_device`` (a GPU tensor of ``values``' dtype and shape,
+    ``values`` a stand-in whose bytes are never read), that tensor takes the storage's place: it
+    is hashed from the device here and written from there by :meth:`write_to`.
     """
 
-    def __init__(self, values: torch.Tensor | None = None):
+    def __init__(self, values: torch.Tensor | None = None, *, on_device: torch.Tensor | None = None):
         self.tensor_bytes = 0 if values is None else values.nbytes
         self.parts: list[Any] = []
+        self._on_device = on_device
         self._h = hashlib.sha256()
         self._storage: tuple[int, int, memoryview] | None = None
         if values is not None and values.device.type == "cpu" and values.untyped_storage().nbytes():
@@ -237,12 +256,24 @@ class _Blob:
         view = memoryview(b)
         n = view.nbytes
         if self._storage is not None and n == self._storage[1] and _address(view) == self._storage[0]:
+            if self._on_device is not None:
+                stream_down(self._on_device, self._h.update)
+                self.parts.append(self._on_device)
+                return n
             data: Any = self._storage[2]
         else:
             data = bytes(view)
         self._h.update(data)
         self.parts.append(data)
         return n
+
+    def write_to(self, f: Any) -> None:
+        """Write the blob at ``f``'s position (a GPU piece through small pinned buffers)."""
+        for part in self.parts:
+            if isinstance(part, torch.Tensor):
+                write_from(f, part)
+            else:
+                f.write(part)
 
     def flush(self) -> None:
         pass

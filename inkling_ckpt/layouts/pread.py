@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -105,26 +105,35 @@ def _read_to_device(fd: int, offset: int, count: int, truncated: str, device: to
 def write_from(fh: Any, tensor: torch.Tensor) -> int:
     """Write ``tensor``'s bytes at ``fh``'s position; returns how many.
 
-    A CPU tensor is written as it is. A GPU tensor comes down through this thread's two pinned
-    buffers (:func:`_stage`) on a stream of its own, each piece copied while the one before is
-    written, so the host never holds the tensor (the reads' counterpart). The tensor must be
-    ready (its producer's stream synchronized); every copy has finished when this returns.
+    A CPU tensor is written as it is. A GPU tensor comes down piece by piece (:func:`stream_down`),
+    so the host never holds it (the reads' counterpart).
+    """
+    return stream_down(tensor, fh.write)
+
+
+def stream_down(tensor: torch.Tensor, consume: Callable[[memoryview], Any]) -> int:
+    """Hand ``tensor``'s bytes in order to ``consume`` (a file's ``write``, a hash's ``update``); returns how many.
+
+    A CPU tensor in one piece. A GPU tensor through this thread's two pinned buffers
+    (:func:`_stage`) on a stream of its own, each piece copied while the one before is consumed;
+    a piece's memory is reused once ``consume`` returns. The tensor must be ready (its
+    producer's stream synchronized); every copy has finished when this returns.
     """
     if tensor.device.type == "cpu":
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        fh.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
+        consume(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
         return int(data.nbytes)
     dev = tensor.device
     stage, stream = _stage(dev), _copy_stream(dev)
     pos, i = 0, 0
-    waiting: tuple[torch.Tensor, int, Any] | None = None  # the piece copied last, not yet written
+    waiting: tuple[torch.Tensor, int, Any] | None = None  # the piece copied last, not yet consumed
     with torch.cuda.stream(stream):  # a copy made contiguous here is ordered before the pieces
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         count = flat.numel()
         while pos < count or waiting is not None:
             nxt = None
             if pos < count:
-                # This buffer's last piece (two ago) was written before the previous one was copied.
+                # This buffer's last piece (two ago) was consumed before the previous one was copied.
                 buf, copied = stage[i & 1]
                 k = min(buf.numel(), count - pos)
                 buf[:k].copy_(flat[pos:pos + k], non_blocking=True)
@@ -133,7 +142,7 @@ def write_from(fh: Any, tensor: torch.Tensor) -> int:
             if waiting is not None:
                 buf, k, copied = waiting
                 copied.synchronize()
-                fh.write(memoryview(buf.numpy())[:k])  # type: ignore[arg-type]
+                consume(memoryview(buf.numpy())[:k])  # type: ignore[arg-type]
             waiting = nxt
     return count
 
