@@ -111,7 +111,7 @@ def _check_keep(plan: "PrecisionPlan", reference: Any, where: str) -> None:
 def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str,
                 reference: Any, max_shard_size: int | str | None, allow_nonfinite: bool, force: bool, dry_run: bool,
                 progress: bool, check_keep_in: str | None, dtype: str | None = None, device: str = "auto",
-                slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+                slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     from .convert.experts import ExpertEncoder
     from .convert.requantize import describe_requantize, requantize
     from .layouts.hf import HFCheckpoint, parse_size
@@ -148,7 +148,7 @@ def _requantize(command: str, src: Any, dst: str | Path, plan: "str | PrecisionP
 def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
              reference: str | Path | None = None, max_shard_size: int | str | None = None,
              allow_nonfinite: bool = False, force: bool = False, dry_run: bool = False, progress: bool = False,
-             dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+             dtype: str | None = None, device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Quantize routed experts per layer (``plan``: ``0-39:nvfp4,40-47:mxfp8``, ``mxfp8``, …); the rest is copied.
 
     ``scales="keep"`` takes NVFP4 amax (and unchanged blocks' bytes) from ``reference``, or from
@@ -163,7 +163,7 @@ def quantize(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, s
 def convert_hf_to_hf(src: str | Path, dst: str | Path, plan: "str | PrecisionPlan", *, scales: str = "fresh",
                      max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
                      dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-                     device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+                     device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Re-encode routed experts under another precision plan (mixed → MXFP8, anything → BF16, …).
 
     ``scales="keep"`` keeps SRC's own NVFP4 scales for layers that stay in their format.
@@ -175,7 +175,7 @@ def convert_hf_to_hf(src: str | Path, dst: str | Path, plan: "str | PrecisionPla
 
 def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str | None = None, force: bool = False,
                dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-               device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+               device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Decode every routed expert to BF16, or ``dtype`` (refused for a source already in it)."""
     from .layouts.hf import HFCheckpoint
     from .layouts.paths import check_dst
@@ -196,7 +196,7 @@ def dequantize(src: str | Path, dst: str | Path, *, max_shard_size: int | str | 
 
 def convert_hf_to_megatron(src: str | Path, dst: str | Path, *, preset: str = "miles", allow_nonfinite: bool = False,
                            force: bool = False, dry_run: bool = False, progress: bool = False,
-                           dtype: str | None = None, device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+                           dtype: str | None = None, device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Write SRC as a Megatron-Core torch_dist checkpoint (collective when the caller runs under torchrun)."""
     import os
 
@@ -223,7 +223,7 @@ def convert_megatron_to_hf(src: str | Path, dst: str | Path, reference: str | Pa
                            plan: "str | PrecisionPlan | None" = None, scales: str = "keep", preset: str | None = None,
                            max_shard_size: int | str | None = None, allow_nonfinite: bool = False, force: bool = False,
                            dry_run: bool = False, progress: bool = False, dtype: str | None = None,
-                           device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+                           device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Bring trained torch_dist weights back to the release layout in the served precision.
 
     ``reference`` (the release the weights came from) gives the configs, the vision tower, the
@@ -353,7 +353,7 @@ def inspect(path: str | Path, *, config: str | Path | None = None) -> dict[str, 
 
 def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = None, exact: bool = False,
                    config: str | Path | None = None, plot: str | Path | None = None, progress: bool = False,
-                   device: str = "auto", slice_mb: int = 64, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
+                   device: str = "auto", slice_mb: int = 0, workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """Compare B against the reference A tensor by tensor after decoding (report schema ``verify``).
 
     Collective when the caller runs under torchrun: the ranks split the units, every rank returns
@@ -374,12 +374,13 @@ def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = Non
 
 def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = None, random: int | None = None,
                    batch: int = 2, seed: int = 0, device: str = "cpu", dtype: str = "auto",
-                   max_kl: float | None = None, progress: bool = False, slice_mb: int = 64) -> dict[str, Any]:
+                   max_kl: float | None = None, progress: bool = False, slice_mb: int = 0) -> dict[str, Any]:
     """Run both HF checkpoints through transformers' Inkling 2 model; KL, top-1 agreement, per-layer error.
 
     Routed experts run ``slice_mb`` MiB (BF16) of experts at a time, not a whole layer at once."""
     from .errors import ConfigError
     from .layouts.detect import HF, TORCH_DIST, detect_layout
+    from .pipeline.executor import DEFAULT_SLICE_BYTES
 
     if tokens is not None and random is not None:
         raise ConfigError("give --tokens FILE or --random N, not both")
@@ -400,10 +401,10 @@ def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = 
         ids = read_tokens(Path(tokens), vocab_size=int(_load_config(tf, a).get_text_config().vocab_size))
     elif random is None:
         random = 128
-    if int(slice_mb) < 1:
-        raise ConfigError(f"--slice-mb {slice_mb}: must be at least 1")
+    if int(slice_mb) < 0:
+        raise ConfigError(f"--slice-mb {slice_mb}: must be at least 1 (0: the default, 64)")
     return compare_forward(a, b, input_ids=ids, random=random, batch=batch, seed=seed, device=device, dtype=dtype,
-                           slice_bytes=int(slice_mb) * 2**20,
+                           slice_bytes=int(slice_mb) * 2**20 or DEFAULT_SLICE_BYTES,
                            max_kl=max_kl, progress=progress, tokens_label=str(tokens) if tokens else None)
 
 
@@ -531,7 +532,7 @@ def lora_export(src: str | Path, dst: str | Path, *, config: str | Path, alpha: 
 
 
 def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: bool = False, force: bool = False,
-               dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 64,
+               dry_run: bool = False, progress: bool = False, device: str = "auto", slice_mb: int = 0,
                workers: int = 0, memory_mb: int = 0) -> dict[str, Any]:
     """The base release checkpoint with W + (alpha/r)·B·A, re-encoded per layer format with the base's scales
     (collective when the caller runs under torchrun: the ranks split the base's shard files)."""

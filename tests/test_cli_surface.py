@@ -321,7 +321,7 @@ def test_the_cli_is_a_thin_layer_over_the_api(cli, monkeypatch, tmp_path):
     assert code == 0, err
     assert calls == [("S", tmp_path / "D", "mxfp8", {"scales": "keep", "reference": "R", "max_shard_size": "1GB",
                                                      "allow_nonfinite": False, "force": False, "dry_run": False,
-                                                     "progress": False, "dtype": None, "device": "auto", "slice_mb": 64,
+                                                     "progress": False, "dtype": None, "device": "auto", "slice_mb": 0,
                                                      "workers": 0, "memory_mb": 0})]
     assert json.loads(out)["tensors"] == 1
 

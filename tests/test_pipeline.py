@@ -316,6 +316,15 @@ def test_device_choice():
         resolve_device("tpu")
 
 
+def test_the_default_slice_depends_on_the_device_and_an_asked_one_wins():
+    """--slice-mb 0 (the default): 32 MiB of BF16 experts per unit on the CPU, 64 on a GPU; a given size is kept."""
+    from inkling_ckpt.pipeline.executor import default_slice_bytes
+
+    assert default_slice_bytes("cpu") == 32 * 2**20 and default_slice_bytes("cuda") == 64 * 2**20
+    assert Executor(Options(device="cpu", progress=False)).slice_bytes == 32 * 2**20
+    assert Executor(Options(device="cpu", slice_bytes=3 * 2**20, progress=False)).slice_bytes == 3 * 2**20
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
 def test_device_cuda_without_a_gpu_is_one_line_and_publishes_nothing(cli, tmp_path):
     code, out, err = cli("quantize", TINY["bf16"], tmp_path / "q", "--plan", "mxfp8", "--device", "cuda", "-q")

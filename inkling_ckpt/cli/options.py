@@ -102,9 +102,9 @@ PRESET = typer.Option(Preset.miles, "--preset",
 DEVICE = typer.Option("auto", "--device", metavar="DEVICE",
                       help="Where experts are decoded/encoded: auto (CUDA when present), cpu or cuda (under torchrun: "
                            "each rank's local GPU). The bytes are the same on every device.")
-SLICE_MB = typer.Option(64, "--slice-mb", min=1, metavar="MIB",
-                        help="BF16 MiB of experts one unit handles (at least one expert): bounds host and GPU memory; "
-                             "shrink it when the GPU runs out of memory.")
+SLICE_MB = typer.Option(0, "--slice-mb", min=0, metavar="MIB",
+                        help="BF16 MiB of experts one unit handles (at least one expert; 0: 64 on a GPU, 32 on the "
+                             "CPU): bounds host and GPU memory; shrink it when the GPU runs out of memory.")
 WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
                        help="Units transformed at once (0: one per core, at most 4 on the CPU and 8 on a GPU, at least 2 on a GPU). Under "
                             "torchrun the ranks on one node split its cores.")

@@ -32,8 +32,19 @@ from .world import World, current_world, gather
 
 T = TypeVar("T")
 
-#: BF16 bytes of routed experts one unit handles (at least one expert): the slice budget.
+#: BF16 bytes of routed experts one unit handles (at least one expert) by default on a GPU: the slice budget.
 DEFAULT_SLICE_BYTES = 64 * 2**20
+#: The same on the CPU. There a unit holds its slice several times over while it runs (read, reordered,
+#: encoded), and the default budget fits only a few 64 MiB units beside a CUDA build's ~0.5 GiB: on the
+#: H200 machine's 16 cores (8-layer wide grid, three runs each) 32 MiB took megatron-to-hf from
+#: 20.9-24.8 s to 18.5-19.7 s and its peak RSS from 1057-1095 to 989-1015 MiB, quantize from
+#: 12.9-14.4 s to 12.2-13.0 s and 981-1066 to 925-932 MiB; 16 MiB was slower again.
+DEFAULT_CPU_SLICE_BYTES = 32 * 2**20
+
+
+def default_slice_bytes(device_type: str) -> int:
+    """The slice budget when ``--slice-mb`` is 0: :data:`DEFAULT_CPU_SLICE_BYTES` on the CPU, else :data:`DEFAULT_SLICE_BYTES`."""
+    return DEFAULT_CPU_SLICE_BYTES if device_type == "cpu" else DEFAULT_SLICE_BYTES
 #: Parallel transforms at most by default on the CPU: each holds a few copies of its slice (the
 #: memory budget, DEFAULT_MEMORY_BYTES, bounds what they hold together whatever their number).
 MAX_DEFAULT_WORKERS = 4
@@ -120,7 +131,7 @@ class Options:
     """How to run: the device for the codecs, the slice budget, worker threads, progress bar."""
 
     device: str = "auto"
-    slice_bytes: int = DEFAULT_SLICE_BYTES
+    slice_bytes: int = 0  # 0: default_slice_bytes() of the device
     workers: int = 0  # 0: the default of share_cores (the rank's cores, at most MAX_DEFAULT_WORKERS, or
     #                    MAX_DEFAULT_GPU_WORKERS and at least 2 on a GPU)
     progress: bool = True
@@ -175,7 +186,8 @@ class Executor:
         self.desc = desc
         self.world = world or current_world()
         self.device = resolve_device(self.options.device)
-        self.slice_bytes = max(1, int(self.options.slice_bytes))
+        asked = int(self.options.slice_bytes)
+        self.slice_bytes = asked if asked > 0 else default_slice_bytes(self.device.type)
         self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type)
         self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers,
                                threads=self.threads)
@@ -410,6 +422,6 @@ def _result_memory(item: Any) -> int:
     return item.write_bytes if isinstance(item, Unit) else 0
 
 
-__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_MEMORY_BYTES", "default_budget", "MAX_DEFAULT_WORKERS",
+__all__ = ["Executor", "Options", "Unit", "RankStats", "DEFAULT_SLICE_BYTES", "DEFAULT_CPU_SLICE_BYTES", "default_slice_bytes", "DEFAULT_MEMORY_BYTES", "default_budget", "MAX_DEFAULT_WORKERS",
            "MAX_DEFAULT_GPU_WORKERS", "cores",
            "share_cores"]
