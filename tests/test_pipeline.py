@@ -347,7 +347,8 @@ def test_slice_and_workers_do_not_change_the_bytes(cli, tmp_path):
 def test_expert_slices_read_and_written_on_a_gpu_charge_the_host_nothing():
     """On a GPU an expert slice's stored parts go straight onto it and its result is written from
     there (through the writer's pinned buffers, counted in the process's size): the memory budget
-    charges it nothing (1 byte); dense units (read on the host) and every unit on the CPU keep their charge."""
+    charges it nothing (1 byte); dense units (read on the host), every unit on the CPU and every unit
+    of a source that reads on the host (then copies the slice up) keep their charge."""
     from inkling_ckpt.convert.requantize import plan_units
     from inkling_ckpt.layouts.hf import HFCheckpoint
     from inkling_ckpt.model.inventory import inventory
@@ -357,11 +358,15 @@ def test_expert_slices_read_and_written_on_a_gpu_charge_the_host_nothing():
     src = HFCheckpoint.open(TINY["mixed"])
     plan = PrecisionPlan.uniform("bf16", src.cfg.num_hidden_layers)
     units = plan_units(src, inventory(src.cfg, plan, dtypes=src.dtypes()), plan, 1 << 20)
-    assert read_on_device(units, "cpu") == units
-    gpu = read_on_device(units, "cuda")
+    assert read_on_device(units, "cpu", [src]) == units
+    gpu = read_on_device(units, "cuda", [src])
     experts = [(u, g) for u, g in zip(units, gpu, strict=True) if expert_slice(u) is not None]
     assert experts and all(g.memory == 1 < u.write_bytes < u.memory for u, g in experts)
     assert all(g == u for u, g in zip(units, gpu, strict=True) if expert_slice(u) is None)
+
+    class HostReads:  # reads on the host only (no reads_to_device): read_parts copies each slice up
+        pass
+    assert read_on_device(units, "cuda", [src, HostReads()]) == units
 
 
 def test_dense_tensors_cut_in_row_slices_keep_their_bytes(tmp_path):

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -327,14 +327,15 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
            "max_shard_size": "reference" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc="megatron-to-hf")
-    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, device_type=ex.device.type, reference_read=scales == "keep")
+    units = _plan_to_hf(m, specs, plan, ex.slice_bytes, device_type=ex.device.type, reference_read=scales == "keep",
+                        sources=[reader, reference] if scales == "keep" else [reader])
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
                     files=files, force=force)
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
-                device_type: str = "cpu", reference_read: bool = False) -> list[Unit]:
+                device_type: str = "cpu", reference_read: bool = False, sources: Sequence[Any] = ()) -> list[Unit]:
     """Units in output order: dense tensors batched or cut in row slices of about ``slice_bytes`` (their
     rules map rows to rows; a slice reads only its rows), experts by slice (each reading its BF16
     torch_dist chunks).
@@ -343,14 +344,14 @@ def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan
     twice (held while reordered to the HF layout, then its copy) and what it writes, with
     ``reference_read`` (``--scales keep``) the reference's stored slice too, the size of what it
     writes; on a GPU, where both are read straight onto it and the result is written from there,
-    nothing (``read_on_device``).
+    nothing (``read_on_device``, given the ``sources`` read).
     """
     stacks = {st.name: st for st in expert_stacks(m.cfg, plan)}
     bf16 = {e.hf: e.shape[0] * e.shape[1] * e.shape[2] * 2 for e in m.entries() if e.stacked}
     units = release_units(specs, stacks, slice_bytes, m.cfg.num_hidden_layers, stack_read_bytes=bf16)
 
     if device_type != "cpu":
-        return read_on_device(units, device_type)
+        return read_on_device(units, device_type, sources)
 
     def hold(u: Unit) -> int:
         return 2 * u.read_bytes + (2 if reference_read else 1) * u.write_bytes

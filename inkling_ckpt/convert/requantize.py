@@ -97,7 +97,8 @@ def requantize(
            "max_shard_size": "source" if files is not None else str(max_shard_size or DEFAULT_MAX_SHARD),
            "allow_nonfinite": allow_nonfinite}
     ex = Executor(options or Options(progress=progress), desc=command)
-    units = read_on_device(plan_units(src, specs, plan, ex.slice_bytes), ex.device.type)
+    read_from = [src] if reference is None else [src, reference]
+    units = read_on_device(plan_units(src, specs, plan, ex.slice_bytes), ex.device.type, read_from)
     result = write_hf(ex, dst, job, specs, config, src.extra_files(), units, transform(src, plan, encoder, ex),
                       max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, files=files, force=force)
     if "nvfp4" in plan.used_formats() and not result.skipped:

@@ -692,6 +692,9 @@ def _blob_layout(f: Any, path: Path, offset: int, length: int, shape: tuple[int,
 class TorchDistCheckpoint:
     """A Megatron ``torch_dist`` checkpoint opened for streaming reads. Use :meth:`open`."""
 
+    #: read takes ``device=``: a GPU gets the bytes through small pinned buffers, not a host copy.
+    reads_to_device = True
+
     def __init__(self, folder: Path, metadata: Metadata, common: dict[str, Any]):
         self.folder = folder
         self.metadata = metadata

@@ -9,7 +9,7 @@ all of that slice's stored parts (the NVFP4 scalar denominator goes with the fir
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..model.inventory import ExpertStack, TensorSpec, is_vision
 from .executor import Unit
@@ -108,13 +108,15 @@ def expert_slice(unit: Unit) -> tuple[ExpertStack, int, int] | None:
     return None
 
 
-def read_on_device(units: Sequence[Unit], device_type: str) -> list[Unit]:
+def read_on_device(units: Sequence[Unit], device_type: str, sources: Sequence[Any]) -> list[Unit]:
     """``units`` charged for a run whose expert slices read their stored parts straight onto a GPU
     (``read_parts(..., device=)``) and leave their results there for the HF writer (which brings
     them down through small pinned buffers, ``layouts.pread.write_from``): such a slice holds
     nothing on the host beyond those buffers, which count in the process's size, so its
-    ``hold_bytes`` is 1; on the CPU, and for other units, unchanged."""
-    if device_type == "cpu":
+    ``hold_bytes`` is 1. Only where every one of ``sources`` (what the slices read) has
+    ``reads_to_device``: another source is read on the host and copied up, holding the slice there
+    meanwhile. On the CPU, and for other units, unchanged."""
+    if device_type == "cpu" or not all(getattr(s, "reads_to_device", False) for s in sources):
         return list(units)
     return [replace(u, hold_bytes=1) if expert_slice(u) is not None else u for u in units]
 

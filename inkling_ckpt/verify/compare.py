@@ -462,7 +462,7 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
         out = Comparison(_describe(a, path_a), _describe(b, path_b))
         out.only_a, out.only_b = unpaired(a, b)
         ex = Executor(options or Options(progress=progress), desc="verify")
-        units = read_on_device(plan_units(a, b, ex.slice_bytes), ex.device.type)
+        units = read_on_device(plan_units(a, b, ex.slice_bytes), ex.device.type, [a, b])
         owner = assign({u.key: u.read_bytes for u in units}, ex.world.size)
         mine = [u for u in units if owner[u.key] == ex.world.rank]
         done: dict[str, list[Entry]] = {}
