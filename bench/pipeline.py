@@ -10,7 +10,12 @@ torch.distributed.run`` for ranks > 1), from a settled page cache:
 * ``plain``: a plain read + write of the input's shard files (before and after; the faster counts);
 * ``quantize``     BF16 -> mixed (the release's NVFP4 / MXFP8 split);
 * ``hf-to-megatron`` mixed -> torch_dist;   ``megatron-to-hf`` torch_dist -> mixed (``--reference``);
-* ``dequantize``   mixed -> BF16;            ``hf-to-hf`` mixed -> all MXFP8.
+* ``dequantize``   mixed -> BF16;            ``hf-to-hf`` mixed -> all MXFP8;
+* ``verify``       BF16 against mixed (tensor mode: reads both, writes nothing);
+* ``shard``        mixed -> ``--tp 4 --ep 4`` rank folders;  ``shard-merge`` those folders -> HF;
+* ``lora-merge``   mixed + a rank-32 adapter (``make-fixture --lora``, ``lora export``) -> mixed.
+
+The first five run by default; ``--commands`` picks others (``all``: every one).
 
 Per step: seconds, MB/s (bytes read + written per second, 1 MB = 10^6 B; "plain" counts its
 read and its write alike), share of plain (and "running": the same bytes over the slowest rank's
@@ -58,6 +63,10 @@ import convert as bc  # noqa: E402  (bench/convert.py: make_wide, plain, settle,
 
 ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ("quantize", "hf-to-megatron", "megatron-to-hf", "dequantize", "hf-to-hf")
+#: Run by ``--commands`` naming them (or ``all``): the other commands on the shared pipeline.
+MORE_COMMANDS = ("verify", "shard", "shard-merge", "lora-merge")
+#: Commands without ``--device`` / ``--slice-mb`` (they copy stored bytes, decoding nothing).
+NO_DEVICE = ("shard", "shard-merge")
 GPU_LINE = re.compile(r"peak GPU memory ([0-9.]+) (GB|MB|kB)")
 
 
@@ -145,13 +154,15 @@ def cli(ranks: int) -> list[str]:
             "-m", "inkling_ckpt"]
 
 
-def flags(device: str, args: argparse.Namespace, memory_mb: int = 0) -> list[str]:
+def flags(command: str, device: str, args: argparse.Namespace, memory_mb: int = 0) -> list[str]:
     if args.legacy:
         return ["-q"]
-    out = ["-q", "--json", "--device", device]
+    out = ["-q", "--json"]
+    if command not in NO_DEVICE:
+        out += ["--device", device]
     if memory_mb:
         out += ["--memory-mb", str(memory_mb)]
-    if args.slice_mb:
+    if args.slice_mb and command not in NO_DEVICE:
         out += ["--slice-mb", str(args.slice_mb)]
     if args.workers:
         out += ["--workers", str(args.workers)]
@@ -165,20 +176,54 @@ def mixed_plan(layers: int) -> str:
     return preset_plan("wide", "mixed", layers)
 
 
-def step_args(command: str, src: dict[str, Path], out: Path, layers: int, shard: str) -> tuple[list[str], list[Path]]:
-    """The command line (after ``inkling_ckpt``) of one step, and the folders it reads."""
+def step_args(command: str, src: dict[str, Path], work: Path, layers: int,
+              shard: str) -> tuple[list[str], list[Path], Path | None]:
+    """The command line (after ``inkling_ckpt``) of one step, the folders it reads, and its output
+    (None: ``verify``). hf-to-megatron and shard write the inputs of megatron-to-hf and shard-merge."""
+    out = work / f"out-{command}"
     if command == "quantize":
-        return ["quantize", str(src["bf16"]), str(out), "--plan", mixed_plan(layers), "--max-shard-size", shard], [src["bf16"]]
+        return ["quantize", str(src["bf16"]), str(out), "--plan", mixed_plan(layers), "--max-shard-size", shard], [src["bf16"]], out
     if command == "hf-to-megatron":
-        return ["convert", "hf-to-megatron", str(src["mixed"]), str(out)], [src["mixed"]]
+        return ["convert", "hf-to-megatron", str(src["mixed"]), str(src["mg"])], [src["mixed"]], src["mg"]
     if command == "megatron-to-hf":
         return (["convert", "megatron-to-hf", str(src["mg"]), str(out), "--reference", str(src["mixed"]),
-                 "--max-shard-size", shard], [src["mg"], src["mixed"]])
+                 "--max-shard-size", shard], [src["mg"], src["mixed"]], out)
     if command == "dequantize":
-        return ["dequantize", str(src["mixed"]), str(out), "--max-shard-size", shard], [src["mixed"]]
+        return ["dequantize", str(src["mixed"]), str(out), "--max-shard-size", shard], [src["mixed"]], out
     if command == "hf-to-hf":
-        return ["convert", "hf-to-hf", str(src["mixed"]), str(out), "--plan", "mxfp8", "--max-shard-size", shard], [src["mixed"]]
+        return (["convert", "hf-to-hf", str(src["mixed"]), str(out), "--plan", "mxfp8", "--max-shard-size", shard],
+                [src["mixed"]], out)
+    if command == "verify":
+        return ["verify", str(src["bf16"]), str(src["mixed"])], [src["bf16"], src["mixed"]], None
+    if command == "shard":
+        return (["shard", str(src["mixed"]), str(src["sharded"]), "--tp", "4", "--ep", "4", "--max-shard-size", shard],
+                [src["mixed"]], src["sharded"])
+    if command == "shard-merge":
+        return ["shard", "--merge", str(src["sharded"]), str(out)], [src["sharded"]], out
+    if command == "lora-merge":
+        return ["lora", "merge", str(src["mixed"]), str(src["adapter"]), str(out)], [src["mixed"], src["adapter"]], out
     raise SystemExit(f"unknown command {command}")
+
+
+def prepare_inputs(args: argparse.Namespace, src: dict[str, Path], code: Path, extra: list[str]) -> None:
+    """The inputs a step needs that an earlier step of this run does not write: the torch_dist copy
+    (megatron-to-hf), the rank folders (shard-merge), the adapter (lora-merge)."""
+    env = _code_env(code)
+
+    def made(cmd: list[str], what: Path) -> None:
+        if not what.exists():
+            subprocess.run(cli(1) + cmd + ["-q"], check=True, env=env, cwd=code)
+
+    if "megatron-to-hf" in args.commands and "hf-to-megatron" not in args.commands:
+        made(["convert", "hf-to-megatron", str(src["mixed"]), str(src["mg"])], src["mg"])
+    if "shard-merge" in args.commands and "shard" not in args.commands:
+        made(["shard", str(src["mixed"]), str(src["sharded"]), "--tp", "4", "--ep", "4"], src["sharded"])
+    if "lora-merge" in args.commands and not src["adapter"].exists():
+        dump = src["adapter"].with_name(src["adapter"].name + "-dump")
+        made(["make-fixture", str(dump), "--lora", "--lora-rank", "32", "--size", "wide", "--layers", str(args.layers),
+              *extra], dump)
+        made(["lora", "export", str(dump), str(src["adapter"]), "--config", str(src["mixed"])], src["adapter"])
+        shutil.rmtree(dump, ignore_errors=True)
 
 
 def input_bytes(folders: list[Path]) -> int:
@@ -206,12 +251,10 @@ def grid(args: argparse.Namespace) -> dict:
     code = Path(args.code).resolve()
     tag = f"wide-{args.layers}L" + (f"-{args.experts}e" if args.experts else "")
     extra = ["--experts", str(args.experts)] if args.experts else []
-    src = {"bf16": work / f"{tag}-bf16", "mixed": work / f"{tag}-mixed", "mg": work / f"{tag}-mg"}
+    src = {k: work / f"{tag}-{k}" for k in ("bf16", "mixed", "mg", "sharded", "adapter")}
     bc.make_wide(src["bf16"], "bf16", args.layers, *extra)
     bc.make_wide(src["mixed"], "mixed", args.layers, *extra)
-    if "megatron-to-hf" in args.commands and "hf-to-megatron" not in args.commands and not src["mg"].exists():
-        subprocess.run(cli(1) + ["convert", "hf-to-megatron", str(src["mixed"]), str(src["mg"]), "-q"],
-                       check=True, env=_code_env(code))
+    prepare_inputs(args, src, code, extra)
     res: dict = {"mode": "grid", "layers": args.layers, "experts": args.experts, "cores": os.cpu_count(),
                  "gpu": gpu_name(), "fixture_bytes": {k: folder_bytes(v) for k, v in src.items() if v.exists()},
                  "steps": []}
@@ -222,24 +265,22 @@ def grid(args: argparse.Namespace) -> dict:
     combos = [(d, r, mb) for d in args.devices for r in args.ranks for mb in args.memory_mb]
     for device, ranks, memory_mb in combos:
         for command in args.commands:
-            out = work / f"out-{command}"
-            cmd_args, inputs = step_args(command, src, out, args.layers, args.max_shard_size)
-            if command == "hf-to-megatron":
-                out = src["mg"]
-                cmd_args[3] = str(out)
-            for p in (out, out.parent / f".{out.name}.inkling-partial"):
-                shutil.rmtree(p, ignore_errors=True)
-            for p in out.parent.glob(f".{out.name}.inkling-done.json"):
-                p.unlink()
+            cmd_args, inputs, out = step_args(command, src, work, args.layers, args.max_shard_size)
+            if out is not None:
+                for p in (out, out.parent / f".{out.name}.inkling-partial"):
+                    shutil.rmtree(p, ignore_errors=True)
+                for p in out.parent.glob(f".{out.name}.inkling-done.json"):
+                    p.unlink()
             label = f"{command}-{device}-x{ranks}" + (f"-{memory_mb}mb" if memory_mb else "")
-            m = measured(profiled(cli(ranks) + cmd_args + flags(device, args, memory_mb), args.profile, label),
+            m = measured(profiled(cli(ranks) + cmd_args + flags(command, device, args, memory_mb), args.profile, label),
                          code, *inputs)
-            nread, nwritten = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]]), folder_bytes(out)
+            nread = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]])
+            nwritten = folder_bytes(out) if out is not None else 0
             m.update({"command": command, "device": device, "ranks": ranks, "memory_mb": memory_mb, "bytes_read": nread,
                       "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
             m["share_of_plain"] = m["mb_s"] / before["mb_s"]
             running_figures(m, nread + nwritten, before["mb_s"])
-            if args.check_bytes:
+            if args.check_bytes and out is not None:
                 d = tree_digest(out / "release" if command == "hf-to-megatron" else out)
                 m["same_bytes_as_first"] = digests.setdefault(command, d) == d
                 m["digest"] = d  # compare across runs (another checkout, another machine)
@@ -250,7 +291,7 @@ def grid(args: argparse.Namespace) -> dict:
                   f"{m['share_of_plain']:4.0%} of plain" + running_text(m)
                   + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "
                   f"peak GPU {m['peak_gpu'] / 2**20:6.0f} MiB"
-                  + ("" if not args.check_bytes else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
+                  + ("" if "same_bytes_as_first" not in m else f"  bytes {'same' if m['same_bytes_as_first'] else 'DIFFER'}")
                   + "".join(f"  [r{r['rank']}: waited {r.get('wait_seconds', 0):.1f} s, sink {r.get('sink_seconds', 0):.1f} s"
                             f" of {r['seconds']:.1f} s"
                             + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, budget "
@@ -258,7 +299,7 @@ def grid(args: argparse.Namespace) -> dict:
                                + (f", held by RSS {r['rss_holds']}x" if r.get("rss_holds") else "")
                                if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
                   flush=True)
-            if command != "hf-to-megatron":
+            if out is not None and out not in (src["mg"], src["sharded"]):
                 shutil.rmtree(out, ignore_errors=True)
     after = plain_fig(src["bf16"], work)
     res["plain"] = max(before, after, key=lambda f: f["mb_s"])
@@ -401,7 +442,8 @@ def main() -> None:
     ap.add_argument("--work", default="bench-work", help="folder for fixtures and outputs (default ./bench-work)")
     ap.add_argument("--layers", type=int, default=4, help="grid: layers of the wide fixture (4 ~ 4.2 GB BF16, 8 ~ 8.4 GB)")
     ap.add_argument("--experts", type=int, default=0, help="experts per layer (grid: the wide default; full-layer: 384)")
-    ap.add_argument("--commands", nargs="+", choices=COMMANDS, default=list(COMMANDS), help="grid: commands to run")
+    ap.add_argument("--commands", nargs="+", choices=(*COMMANDS, *MORE_COMMANDS, "all"), default=list(COMMANDS),
+                    help="grid: commands to run, in this order (all: every one)")
     ap.add_argument("--devices", nargs="+", choices=("cpu", "cuda"), default=["cpu"],
                     help="--device values to run (full-layer: the first)")
     ap.add_argument("--ranks", nargs="+", type=int, default=[1], help="grid: ranks (torchrun --nproc_per_node)")
@@ -422,6 +464,8 @@ def main() -> None:
                     help="run each step under py-spy (pip install py-spy), sampled stacks of every thread into DIR; "
                          "the sampling slows the steps a little")
     args = ap.parse_args()
+    if "all" in args.commands:
+        args.commands = [*COMMANDS, *MORE_COMMANDS]
     res = grid(args) if args.mode == "grid" else full_layer(args)
     save(res, args)
 
