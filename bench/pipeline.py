@@ -265,6 +265,8 @@ def grid(args: argparse.Namespace) -> dict:
     combos = [(d, r, mb) for d in args.devices for r in args.ranks for mb in args.memory_mb]
     for device, ranks, memory_mb in combos:
         for command in args.commands:
+            if command in NO_DEVICE and device != args.devices[0]:
+                continue  # it runs on the CPU whatever --devices says: once per rank count and budget
             cmd_args, inputs, out = step_args(command, src, work, args.layers, args.max_shard_size)
             if out is not None:
                 for p in (out, out.parent / f".{out.name}.inkling-partial"):
@@ -276,7 +278,7 @@ def grid(args: argparse.Namespace) -> dict:
                          code, *inputs)
             nread = input_bytes(inputs if command != "megatron-to-hf" else [src["mg"]])
             nwritten = folder_bytes(out) if out is not None else 0
-            m.update({"command": command, "device": device, "ranks": ranks, "memory_mb": memory_mb, "bytes_read": nread,
+            m.update({"command": command, "device": "cpu" if command in NO_DEVICE else device, "ranks": ranks, "memory_mb": memory_mb, "bytes_read": nread,
                       "bytes_written": nwritten, "mb_s": (nread + nwritten) / m["seconds"] / 1e6})
             m["share_of_plain"] = m["mb_s"] / before["mb_s"]
             running_figures(m, nread + nwritten, before["mb_s"])
@@ -286,7 +288,7 @@ def grid(args: argparse.Namespace) -> dict:
                 m["digest"] = d  # compare across runs (another checkout, another machine)
             res["steps"].append(m)
             write_json(res, args, partial=True)
-            print(f"  {command:15s} {device:4s} x{ranks}" + (f" {memory_mb} MiB" if memory_mb else "")
+            print(f"  {command:15s} {m['device']:4s} x{ranks}" + (f" {memory_mb} MiB" if memory_mb else "")
                   + f": {m['seconds']:7.1f} s  {m['mb_s']:7.0f} MB/s  "
                   f"{m['share_of_plain']:4.0%} of plain" + running_text(m)
                   + f"  peak RSS {m['peak_rss'] / 2**20:6.0f} MiB  "

@@ -305,9 +305,13 @@ def shard(src: str | Path, dst: str | Path | None, *, tp: int, ep: int = 1, max_
         by_cat = dict.fromkeys(CATEGORIES, 0)
         for s in specs:
             by_cat[s.category.value] += s.nbytes
+        from .pipeline import estimate, launched_ranks
+
+        ranks = rank_memory(splan)
+        est = estimate("shard", sum(by_cat.values()), sum(r["bytes"] for r in ranks), "cpu", launched_ranks())
         return _dry("shard", src, dst, variant=prec.variant, precision_plan=str(prec), dtypes=note,
-                    **sharded.describe_plan(splan), ranks=rank_memory(splan), checkpoint_bytes=sum(by_cat.values()),
-                    checkpoint_bytes_by_category=by_cat)
+                    **sharded.describe_plan(splan), ranks=ranks, checkpoint_bytes=sum(by_cat.values()),
+                    checkpoint_bytes_by_category=by_cat, estimate=est)
     if dst is None:
         raise PlanError("shard needs DST (or dry_run)")
     res = sharded.shard(src, dst, tp, ep, max_shard_size=parse_size(max_shard_size), force=force, progress=progress,
@@ -326,11 +330,14 @@ def merge_shards(src: str | Path, dst: str | Path, *, force: bool = False, dry_r
 
     check_dst(dst, [src])
     if dry_run:
+        from .pipeline import estimate, launched_ranks
+
         sh = sharded.ShardedCheckpoint.open(src, verify_checksums=False)
         try:
             files = sh.manifest["source"]
+            n = sum(int(f["bytes"]) for f in files.values())  # each piece is read once, from one rank
             return _dry("merge-shards", sh.root, dst, parallel_plan=dict(sh.manifest["plan"]), files=len(files),
-                        bytes=sum(int(f["bytes"]) for f in files.values()))
+                        bytes=n, estimate=estimate("shard-merge", n, n, "cpu", launched_ranks()))
         finally:
             sh.close()
     res = sharded.merge(src, dst, force=force, progress=progress, options=_options("cpu", 64, workers, progress, memory_mb))
@@ -541,14 +548,25 @@ def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: 
     from .lora.merge import plan_merge
 
     if dry_run:
+        from .pipeline import device_kind, estimate, launched_ranks
+
         check_dst(dst, [base, adapter])
         rows = plan_merge(base, adapter)
+        # It reads the base and the adapter and writes a checkpoint the size of the base.
+        base_bytes = _tensor_file_bytes(base)
+        est = estimate("lora-merge", base_bytes + _tensor_file_bytes(adapter), base_bytes, device_kind(device),
+                       launched_ranks())
         return _dry("lora-merge", [base, adapter], dst, tensors=len(rows), bytes=sum(r["bytes"] for r in rows),
-                    merged=rows)
+                    merged=rows, estimate=est)
     res = merge(base, adapter, dst, force=force, progress=progress, measure=sqnr,
                 options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job("lora-merge", res, [base, adapter], files=res.files, changed=list(res.changed),
                 unchanged_experts=res.unchanged_experts, bytes=res.bytes, sqnr_db=dict(res.sqnr), **_figures(res))
+
+
+def _tensor_file_bytes(folder: str | Path) -> int:
+    """Bytes of the safetensors files directly in ``folder`` (sizes only, for an estimate)."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors") if f.is_file())
 
 
 def lora_inspect(adapter: str | Path, *, verify: bool = False) -> dict[str, Any]:

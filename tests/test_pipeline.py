@@ -661,3 +661,27 @@ def test_dry_run_estimates_time_from_the_rates_this_machine_measured(cli, tmp_pa
     assert est["seconds"] == pytest.approx((est["bytes_read"] + est["bytes_written"]) / 2e6, abs=0.1)
     assert "2 MB/s measured here" in est["estimate"]
     assert not (tmp_path / "m").exists()
+
+
+def test_the_dry_runs_of_shard_merge_and_lora_merge_estimate_too(cli, tmp_path, monkeypatch):
+    """shard, shard --merge and lora merge carry the same estimate as the other rewriting commands, at
+    the rate bench/pipeline.py filed under their names (shard's on the CPU: it decodes nothing)."""
+    from inkling_ckpt.pipeline.estimate import save_rates
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    save_rates({"shard": {"cpu": 1.0}, "shard-merge": {"cpu": 2.0}, "lora-merge": {"cpu": 4.0}}, 100.0, "test box")
+    assert cli("shard", TINY["mixed"], tmp_path / "sh", "--tp", "2", "--ep", "2", "-q")[0] == 0
+    assert cli("make-fixture", tmp_path / "dump", "--lora", "-q")[0] == 0
+    assert cli("lora", "export", tmp_path / "dump", tmp_path / "ad", "--config", TINY["mixed"], "-q")[0] == 0
+    runs = {"shard": ("shard", TINY["mixed"], tmp_path / "x", "--tp", "2", "--ep", "2"),
+            "shard-merge": ("shard", tmp_path / "sh", tmp_path / "x", "--merge"),
+            "lora-merge": ("lora", "merge", TINY["mixed"], tmp_path / "ad", tmp_path / "x", "--device", "cpu")}
+    for (name, args), rate in zip(runs.items(), (1.0, 2.0, 4.0), strict=True):
+        code, out, _ = cli(*args, "--dry-run", "--json")
+        est = json.loads(out)["estimate"]
+        assert code == 0 and est["bytes_read"] > 0 and est["bytes_written"] > 0, name
+        assert est["seconds"] == pytest.approx((est["bytes_read"] + est["bytes_written"]) / (rate * 1e6), abs=0.1), name
+        assert f"measured here for {name} on cpu" in est["estimate"], name
+        code, out, _ = cli(*args, "--dry-run")
+        assert code == 0 and "estimate: reads" in out, name
+    assert not (tmp_path / "x").exists()

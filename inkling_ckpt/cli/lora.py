@@ -116,7 +116,8 @@ def _render_merge(rep: dict[str, Any]) -> str:
             c[1] += row["bytes"]
         return (f"would write {rep['output']}: {len(rep['merged'])} base tensors merged ("
                 + ", ".join(f"{k}: {n} tensors, {fmt_bytes(b)}" for k, (n, b) in sorted(by_fmt.items()))
-                + "); everything else copied byte for byte; dry run, nothing written")
+                + "); everything else copied byte for byte; dry run, nothing written"
+                + (f"\n  estimate: {rep['estimate']['estimate']}" if isinstance(rep.get("estimate"), dict) else ""))
     how = "resumed and finished" if rep["status"] == "resumed" else "wrote"
     lines = [f"{how} {rep['output']}: {len(rep['changed'])} tensors merged, {fmt_bytes(rep['bytes'])}"
              + (f", {rep['unchanged_experts']} experts with a zero delta kept as they were"

@@ -109,6 +109,8 @@ def _render_dry_run(rep: dict[str, Any]) -> str:
     lines += ["", "split rules:"]
     for pattern, r in rep["rules"].items():
         lines.append(f"  {pattern:<64} {r['describe']} [{r['tensors']}]")
-    lines += ["", render_ranks(rep["ranks"], rep["checkpoint_bytes"], rep["checkpoint_bytes_by_category"]),
-              "", "dry run: nothing written"]
+    lines += ["", render_ranks(rep["ranks"], rep["checkpoint_bytes"], rep["checkpoint_bytes_by_category"]), ""]
+    if isinstance(rep.get("estimate"), dict):
+        lines.append(f"estimate: {rep['estimate']['estimate']}")
+    lines.append("dry run: nothing written")
     return "\n".join(lines)
