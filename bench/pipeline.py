@@ -360,6 +360,19 @@ def rank_speedups(steps: list[dict]) -> list[dict]:
     return out
 
 
+def layer_steps(work: Path, bf16: Path, shard: str) -> list[tuple[str, list[str], list[Path], Path]]:
+    """The full-layer chain: (command, its command line after ``inkling_ckpt``, the folders it reads,
+    its output), each step reading the one before's output."""
+    q, mg, back, deq = work / "layer-q", work / "layer-mg", work / "layer-back", work / "layer-deq"
+    mx = work / "layer-mx"
+    return [("quantize", ["quantize", str(bf16), str(q), "--plan", "nvfp4", "--max-shard-size", shard], [bf16], q),
+            ("hf-to-megatron", ["convert", "hf-to-megatron", str(q), str(mg)], [q], mg),
+            ("megatron-to-hf", ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(q),
+                                "--max-shard-size", shard], [mg], back),
+            ("hf-to-hf", ["convert", "hf-to-hf", str(q), str(mx), "--plan", "mxfp8", "--max-shard-size", shard], [q], mx),
+            ("dequantize", ["dequantize", str(back), str(deq), "--max-shard-size", shard], [back], deq)]
+
+
 def full_layer(args: argparse.Namespace) -> dict:
     work = Path(args.work).resolve()  # steps run from inside --code
     work.mkdir(parents=True, exist_ok=True)
@@ -372,17 +385,9 @@ def full_layer(args: argparse.Namespace) -> dict:
                  "gpu": gpu_name(), "fixture_bytes": folder_bytes(bf16), "steps": []}
     res["plain"] = plain_fig(bf16, work)
     print(f"plain read + write of {res['fixture_bytes'] / 1e9:.1f} GB: {res['plain']['mb_s']:.0f} MB/s", flush=True)
-    q, mg, back, deq = work / "layer-q", work / "layer-mg", work / "layer-back", work / "layer-deq"
-    mx = work / "layer-mx"
-    shard = args.max_shard_size
-    plan = [("quantize", ["quantize", str(bf16), str(q), "--plan", "nvfp4", "--max-shard-size", shard], [bf16], q),
-            ("hf-to-megatron", ["convert", "hf-to-megatron", str(q), str(mg)], [q], mg),
-            ("megatron-to-hf", ["convert", "megatron-to-hf", str(mg), str(back), "--reference", str(q),
-                                "--max-shard-size", shard], [mg], back),
-            ("hf-to-hf", ["convert", "hf-to-hf", str(q), str(mx), "--plan", "mxfp8", "--max-shard-size", shard], [q], mx),
-            ("dequantize", ["dequantize", str(back), str(deq), "--max-shard-size", shard], [back], deq)]
+    plan = layer_steps(work, bf16, args.max_shard_size)
     for i, (name, cmd_args, inputs, out) in enumerate(plan):
-        m = measured(profiled(cli(1) + cmd_args + flags(device, args), args.profile, f"layer-{name}-{device}"),
+        m = measured(profiled(cli(1) + cmd_args + flags(name, device, args), args.profile, f"layer-{name}-{device}"),
                      code, *inputs)
         nread, nwritten = input_bytes(inputs), folder_bytes(out)
         m.update({"command": name, "bytes_read": nread, "bytes_written": nwritten,
@@ -402,8 +407,8 @@ def full_layer(args: argparse.Namespace) -> dict:
         for p in inputs:
             if p not in later and (p != bf16 or not args.keep):
                 shutil.rmtree(p, ignore_errors=True)
-    for p in (deq, mx):
-        shutil.rmtree(p, ignore_errors=True)
+    for _, _, _, out in plan:  # the outputs no later step read (the last ones)
+        shutil.rmtree(out, ignore_errors=True)
     total = sum(m["seconds"] for m in res["steps"])
     release = sum(m["release_seconds"] for m in res["steps"])
     res["layer_seconds"] = total

@@ -685,3 +685,36 @@ def test_the_dry_runs_of_shard_merge_and_lora_merge_estimate_too(cli, tmp_path, 
         code, out, _ = cli(*args, "--dry-run")
         assert code == 0 and "estimate: reads" in out, name
     assert not (tmp_path / "x").exists()
+
+
+def test_every_bench_command_line_is_one_the_cli_accepts(cli, tmp_path):
+    """bench/pipeline.py's grid drives the real CLI: each of its command lines, with the flags it adds
+    (--device and --slice-mb only where a command takes them), passes the CLI's parsing and
+    validation on the tiny fixtures (--dry-run; verify, which writes nothing, runs); so does
+    --mode full-layer's chain of five steps, run on the tiny BF16 fixture."""
+    import argparse
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "bench" / "pipeline.py")
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    src = {"bf16": TINY["bf16"], "mixed": TINY["mixed"], "mg": tmp_path / "mg", "sharded": tmp_path / "sh",
+           "adapter": tmp_path / "ad"}
+    assert cli("convert", "hf-to-megatron", TINY["mixed"], src["mg"], "-q")[0] == 0
+    assert cli("shard", TINY["mixed"], src["sharded"], "--tp", "4", "--ep", "4", "-q")[0] == 0
+    assert cli("make-fixture", tmp_path / "dump", "--lora", "-q")[0] == 0
+    assert cli("lora", "export", tmp_path / "dump", src["adapter"], "--config", TINY["mixed"], "-q")[0] == 0
+    args = argparse.Namespace(legacy=False, slice_mb=1, workers=2)
+    layers = json.loads((TINY["mixed"] / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    for command in (*bench.COMMANDS, *bench.MORE_COMMANDS):
+        cmd_args, inputs, out = bench.step_args(command, src, tmp_path, layers, "2MB")
+        assert inputs and all(p.exists() for p in inputs), command
+        extra = [] if out is None else ["--dry-run"]
+        code, _, err = cli(*cmd_args, *bench.flags(command, "cpu", args, memory_mb=512), *extra)
+        assert code == 0, (command, err)
+    # --mode full-layer's chain, run for real (each step reads the one before's output)
+    for command, cmd_args, _, out in bench.layer_steps(tmp_path / "layer", TINY["bf16"], "2MB"):
+        code, _, err = cli(*cmd_args, *bench.flags(command, "cpu", args))
+        assert code == 0 and out.is_dir(), (command, err)
