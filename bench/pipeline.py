@@ -214,10 +214,10 @@ def prepare_inputs(args: argparse.Namespace, src: dict[str, Path], code: Path, e
         if not what.exists():
             subprocess.run(cli(1) + cmd + ["-q"], check=True, env=env, cwd=code)
 
-    if "megatron-to-hf" in args.commands and "hf-to-megatron" not in args.commands:
-        made(["convert", "hf-to-megatron", str(src["mixed"]), str(src["mg"])], src["mg"])
-    if "shard-merge" in args.commands and "shard" not in args.commands:
-        made(["shard", str(src["mixed"]), str(src["sharded"]), "--tp", "4", "--ep", "4"], src["sharded"])
+    for needs, step in (("megatron-to-hf", "hf-to-megatron"), ("shard-merge", "shard")):
+        if needs in args.commands and step not in args.commands:  # the step's own command line
+            cmd, _, out = step_args(step, src, src["bf16"].parent, args.layers, args.max_shard_size)  # out: its kept folder
+            made(cmd, out)
     if "lora-merge" in args.commands and not src["adapter"].exists():
         dump = src["adapter"].with_name(src["adapter"].name + "-dump")
         made(["make-fixture", str(dump), "--lora", "--lora-rank", "32", "--size", "wide", "--layers", str(args.layers),
