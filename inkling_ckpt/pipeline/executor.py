@@ -40,11 +40,6 @@ DEFAULT_SLICE_BYTES = 64 * 2**20
 #: 20.9-24.8 s to 18.5-19.7 s and its peak RSS from 1057-1095 to 989-1015 MiB, quantize from
 #: 12.9-14.4 s to 12.2-13.0 s and 981-1066 to 925-932 MiB; 16 MiB was slower again.
 DEFAULT_CPU_SLICE_BYTES = 32 * 2**20
-
-
-def default_slice_bytes(device_type: str) -> int:
-    """The slice budget when ``--slice-mb`` is 0: :data:`DEFAULT_CPU_SLICE_BYTES` on the CPU, else :data:`DEFAULT_SLICE_BYTES`."""
-    return DEFAULT_CPU_SLICE_BYTES if device_type == "cpu" else DEFAULT_SLICE_BYTES
 #: Parallel transforms at most by default on the CPU: each holds a few copies of its slice (the
 #: memory budget, DEFAULT_MEMORY_BYTES, bounds what they hold together whatever their number).
 MAX_DEFAULT_WORKERS = 4
@@ -67,6 +62,11 @@ DEFAULT_PEAK_RSS_BYTES = 2**30
 UNCOUNTED_BYTES = 64 * 2**20
 #: The default budget never goes below this: a few units in flight whatever the process's size.
 MIN_DEFAULT_MEMORY_BYTES = 256 * 2**20
+
+
+def default_slice_bytes(device_type: str) -> int:
+    """The slice budget when ``--slice-mb`` is 0: :data:`DEFAULT_CPU_SLICE_BYTES` on the CPU, else :data:`DEFAULT_SLICE_BYTES`."""
+    return DEFAULT_CPU_SLICE_BYTES if device_type == "cpu" else DEFAULT_SLICE_BYTES
 
 
 def default_budget(start_rss: int) -> int:
