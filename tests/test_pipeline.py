@@ -663,6 +663,15 @@ def test_dry_run_estimates_time_from_the_rates_this_machine_measured(cli, tmp_pa
     assert not (tmp_path / "m").exists()
 
 
+def _sharded_and_adapter(cli, tmp_path: Path, tp: int) -> tuple[Path, Path]:
+    """The tiny mixed fixture split ``--tp tp --ep tp``, and a LoRA adapter for it (make-fixture --lora, lora export)."""
+    sharded, adapter = tmp_path / "sh", tmp_path / "ad"
+    assert cli("shard", TINY["mixed"], sharded, "--tp", str(tp), "--ep", str(tp), "-q")[0] == 0
+    assert cli("make-fixture", tmp_path / "dump", "--lora", "-q")[0] == 0
+    assert cli("lora", "export", tmp_path / "dump", adapter, "--config", TINY["mixed"], "-q")[0] == 0
+    return sharded, adapter
+
+
 def test_the_dry_runs_of_shard_merge_and_lora_merge_estimate_too(cli, tmp_path, monkeypatch):
     """shard, shard --merge and lora merge carry the same estimate as the other rewriting commands, at
     the rate bench/pipeline.py filed under their names (shard's on the CPU: it decodes nothing)."""
@@ -670,12 +679,10 @@ def test_the_dry_runs_of_shard_merge_and_lora_merge_estimate_too(cli, tmp_path, 
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     save_rates({"shard": {"cpu": 1.0}, "shard-merge": {"cpu": 2.0}, "lora-merge": {"cpu": 4.0}}, 100.0, "test box")
-    assert cli("shard", TINY["mixed"], tmp_path / "sh", "--tp", "2", "--ep", "2", "-q")[0] == 0
-    assert cli("make-fixture", tmp_path / "dump", "--lora", "-q")[0] == 0
-    assert cli("lora", "export", tmp_path / "dump", tmp_path / "ad", "--config", TINY["mixed"], "-q")[0] == 0
+    sharded, adapter = _sharded_and_adapter(cli, tmp_path, 2)
     runs = {"shard": ("shard", TINY["mixed"], tmp_path / "x", "--tp", "2", "--ep", "2"),
-            "shard-merge": ("shard", tmp_path / "sh", tmp_path / "x", "--merge"),
-            "lora-merge": ("lora", "merge", TINY["mixed"], tmp_path / "ad", tmp_path / "x", "--device", "cpu")}
+            "shard-merge": ("shard", sharded, tmp_path / "x", "--merge"),
+            "lora-merge": ("lora", "merge", TINY["mixed"], adapter, tmp_path / "x", "--device", "cpu")}
     for (name, args), rate in zip(runs.items(), (1.0, 2.0, 4.0), strict=True):
         code, out, _ = cli(*args, "--dry-run", "--json")
         est = json.loads(out)["estimate"]
@@ -700,12 +707,9 @@ def test_every_bench_command_line_is_one_the_cli_accepts(cli, tmp_path):
     spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "bench" / "pipeline.py")
     bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(bench)  # type: ignore[union-attr]
-    src = {"bf16": TINY["bf16"], "mixed": TINY["mixed"], "mg": tmp_path / "mg", "sharded": tmp_path / "sh",
-           "adapter": tmp_path / "ad"}
+    sharded, adapter = _sharded_and_adapter(cli, tmp_path, 4)
+    src = {"bf16": TINY["bf16"], "mixed": TINY["mixed"], "mg": tmp_path / "mg", "sharded": sharded, "adapter": adapter}
     assert cli("convert", "hf-to-megatron", TINY["mixed"], src["mg"], "-q")[0] == 0
-    assert cli("shard", TINY["mixed"], src["sharded"], "--tp", "4", "--ep", "4", "-q")[0] == 0
-    assert cli("make-fixture", tmp_path / "dump", "--lora", "-q")[0] == 0
-    assert cli("lora", "export", tmp_path / "dump", src["adapter"], "--config", TINY["mixed"], "-q")[0] == 0
     args = argparse.Namespace(legacy=False, slice_mb=1, workers=2)
     layers = json.loads((TINY["mixed"] / "config.json").read_text())["text_config"]["num_hidden_layers"]
     for command in (*bench.COMMANDS, *bench.MORE_COMMANDS):
