@@ -316,17 +316,24 @@ def test_a_blob_with_its_tensor_in_place_of_a_stand_in_is_the_tensors_blob():
     assert want != _stand_in_blob(torch.zeros_like(x))[0]  # the bytes are x's
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_gpu_chunks_blob_is_hashed_and_written_from_the_gpu(monkeypatch):
-    """A GPU chunk in a blob: hashed through the worker's pinned buffers and written through the
-    writer's, in many small pieces here: torch.save's bytes and sha256 of the host copy."""
+@pytest.fixture
+def small_stages(monkeypatch):
+    """layouts.pread with 4 KiB staging buffers (fresh ones, for this test only): GPU reads and writes
+    go through it in many pieces. Returns the module."""
     import threading
 
     from inkling_ckpt.layouts import pread
 
     monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
-    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
+    monkeypatch.setattr(pread, "_stages", threading.local())
+    return pread
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_chunks_blob_is_hashed_and_written_from_the_gpu(small_stages):
+    """A GPU chunk in a blob: hashed through the worker's pinned buffers and written through the
+    writer's, in many small pieces here: torch.save's bytes and sha256 of the host copy."""
     for x in (torch.randn(300, 70).bfloat16(), torch.randint(0, 256, (10001,), dtype=torch.uint8), torch.zeros(0, 4)):
         got, digest, want, want_digest = _stand_in_blob(x.cuda())
         assert got == want and digest == want_digest, tuple(x.shape)
@@ -388,15 +395,9 @@ def test_only_a_device_off_the_host_takes_the_gpu_read_path():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypatch):
+def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, small_stages):
     """Chunks read straight onto a GPU (through small pinned buffers, many pieces here) hold the
     values read on the host, whole chunks and parts alike, and a changed byte still fails the sha256."""
-    from inkling_ckpt.layouts import pread
-
-    import threading
-
-    monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
-    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
     g = torch.Generator().manual_seed(3)
     a = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     e = torch.randn(5, 24, 40, generator=g)
@@ -420,16 +421,11 @@ def test_reads_onto_a_gpu_give_the_host_bytes_and_check_them(tmp_path, monkeypat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_tensors_written_through_small_buffers_are_their_host_bytes(tmp_path, monkeypatch):
+def test_gpu_tensors_written_through_small_buffers_are_their_host_bytes(tmp_path, small_stages):
     """The HF writer brings a GPU result down piece by piece through two pinned buffers (many pieces
     here, and a tensor made contiguous on the copy stream first): the file holds its host bytes,
     after what was written before it."""
-    import threading
-
-    from inkling_ckpt.layouts import pread
-
-    monkeypatch.setattr(pread, "STAGE_BYTES", 4096)
-    monkeypatch.setattr(pread, "_stages", threading.local())  # buffers of that size, for this test only
+    pread = small_stages
     g = torch.Generator().manual_seed(5)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     cases = {"pieces": w, "transposed": w.t(), "odd": torch.randint(0, 256, (10001,), dtype=torch.uint8, generator=g),
