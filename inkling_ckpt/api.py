@@ -551,22 +551,15 @@ def lora_merge(base: str | Path, adapter: str | Path, dst: str | Path, *, sqnr: 
         from .pipeline import device_kind, estimate, launched_ranks
 
         check_dst(dst, [base, adapter])
-        rows = plan_merge(base, adapter)
+        rows, base_bytes, adapter_bytes = plan_merge(base, adapter)
         # It reads the base and the adapter and writes a checkpoint the size of the base.
-        base_bytes = _tensor_file_bytes(base)
-        est = estimate("lora-merge", base_bytes + _tensor_file_bytes(adapter), base_bytes, device_kind(device),
-                       launched_ranks())
+        est = estimate("lora-merge", base_bytes + adapter_bytes, base_bytes, device_kind(device), launched_ranks())
         return _dry("lora-merge", [base, adapter], dst, tensors=len(rows), bytes=sum(r["bytes"] for r in rows),
                     merged=rows, estimate=est)
     res = merge(base, adapter, dst, force=force, progress=progress, measure=sqnr,
                 options=_options(device, slice_mb, workers, progress, memory_mb))
     return _job("lora-merge", res, [base, adapter], files=res.files, changed=list(res.changed),
                 unchanged_experts=res.unchanged_experts, bytes=res.bytes, sqnr_db=dict(res.sqnr), **_figures(res))
-
-
-def _tensor_file_bytes(folder: str | Path) -> int:
-    """Bytes of the safetensors files directly in ``folder`` (sizes only, for an estimate)."""
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors") if f.is_file())
 
 
 def lora_inspect(adapter: str | Path, *, verify: bool = False) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from ..layouts.pread import TensorFile
 from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
-from .io import Adapter, read_json
+from .io import WEIGHTS_FILE, Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
 SINGLE = "model.safetensors"
@@ -525,9 +525,10 @@ def _identity(path: Path) -> list[Any]:
     return [[str(p.relative_to(path) if p != path else p.name), p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
-def plan_merge(base: str | Path, adapter: str | Path) -> list[dict[str, Any]]:
+def plan_merge(base: str | Path, adapter: str | Path) -> tuple[list[dict[str, Any]], int, int]:
     """What a merge would do, from headers only: per adapted base tensor, its row, layer, format
-    and the tensors rewritten. Raises the same errors the merge would, before any writing."""
+    and the tensors rewritten; and the bytes of the base's shard files (what a merge writes again)
+    and of the adapter's weights. Raises the same errors the merge would, before any writing."""
     b = _Base(Path(base))
     ad = Adapter.open(Path(adapter))
     try:
@@ -535,9 +536,15 @@ def plan_merge(base: str | Path, adapter: str | Path) -> list[dict[str, Any]]:
     finally:
         b.close()
         ad.close()
-    return [{"base": u.base, "module": u.target.key, "layer": u.layer,
+    rows = [{"base": u.base, "module": u.target.key, "layer": u.layer,
              "format": u.stack.fmt if u.stack else DTYPE_NAMES.get(b.meta[u.base][1], str(b.meta[u.base][1])),
              "rewrites": u.writes, "bytes": sum(b.span(n)[2] - b.span(n)[1] for n in u.writes)} for u in units]
+    return rows, _files_bytes(b.root, b.files), _files_bytes(ad.root, [WEIGHTS_FILE])
+
+
+def _files_bytes(root: Path, files: list[str]) -> int:
+    """Bytes of ``files`` in ``root`` (sizes only)."""
+    return sum((root / f).stat().st_size for f in files)
 
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -572,7 +579,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
     t0 = time.perf_counter()
     groups = _file_groups(b, units)
     steps = _plan_steps(b, units, groups, ex.slice_bytes)
-    sizes = [sum((b.root / f).stat().st_size for f in files) for files in groups]
+    sizes = [_files_bytes(b.root, files) for files in groups]
     owner = assign(dict(enumerate(sizes)), ex.world.size)
     order = {id(u): i for i, u in enumerate(steps)}
     transform = _Merger(b, ad, ex.device, measure, passthrough_zero)
