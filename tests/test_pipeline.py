@@ -369,6 +369,58 @@ def test_expert_slices_read_and_written_on_a_gpu_charge_the_host_nothing():
     assert read_on_device(units, "cuda", [src, HostReads()]) == units
 
 
+def test_requantize_charges_a_unit_what_it_holds_on_the_cpu():
+    """A unit that re-encodes nothing holds what it read, which is what it writes (dense tensors, a
+    layer keeping its format: charged once, not twice); an encode adds its chunk temporaries; one
+    between two quantized formats adds the BF16 values decoded between them; a decode into the
+    output holds what it reads and writes."""
+    from inkling_ckpt.convert.requantize import ENCODE_WORKSPACE_BYTES, plan_units
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.model.inventory import inventory
+    from inkling_ckpt.model.precision import PrecisionPlan
+    from inkling_ckpt.pipeline import expert_slice
+
+    def charges(variant: str, plan_name: str) -> tuple[list, dict]:
+        src = HFCheckpoint.open(TINY[variant])
+        plan = PrecisionPlan.parse(plan_name, src.cfg.num_hidden_layers) if plan_name != "same" else src.plan
+        units = plan_units(src, inventory(src.cfg, plan, dtypes=src.dtypes()), plan, 1 << 20)
+        dense = [u for u in units if expert_slice(u) is None]
+        by_fmt: dict = {}
+        for u in units:
+            if expert_slice(u) is not None:
+                out, first, last = expert_slice(u)
+                by_fmt.setdefault((src.plan.format_of(out.layer), out.fmt), []).append((u, (last - first) * out.shape[1] * out.shape[2]))
+        return dense, by_fmt
+
+    dense, kept = charges("mixed", "same")
+    assert dense and all(u.memory == u.write_bytes == u.read_bytes for u in dense)
+    assert kept and all(u.memory == u.write_bytes for us in kept.values() for u, _ in us)
+    _, bf16_to = charges("bf16", "mxfp8")
+    assert all(u.memory == u.read_bytes + u.write_bytes + ENCODE_WORKSPACE_BYTES for u, _ in bf16_to[("bf16", "mxfp8")])
+    _, mixed_to = charges("mixed", "mxfp8")
+    assert all(u.memory == u.read_bytes + u.write_bytes + ENCODE_WORKSPACE_BYTES + 2 * n
+               for u, n in mixed_to[("nvfp4", "mxfp8")])
+    assert all(u.memory == u.write_bytes for u, _ in mixed_to[("mxfp8", "mxfp8")])
+    _, mixed_dq = charges("mixed", "bf16")
+    assert all(u.memory == u.read_bytes + u.write_bytes for us in mixed_dq.values() for u, _ in us)
+
+
+def test_verify_charges_a_unit_its_reads_and_on_the_cpu_its_comparison():
+    """A verify unit writes nothing; it holds what it reads of both sides and, on the CPU, a piece of
+    each side decoded to float32 with the statistics' temporaries (COMPARE_WORKSPACE_BYTES)."""
+    from inkling_ckpt.verify.compare import COMPARE_WORKSPACE_BYTES, DECODE_ELEMENTS, open_pair, plan_units
+
+    a, b = open_pair(TINY["bf16"], TINY["mixed"])
+    try:
+        cpu, gpu = plan_units(a, b, 1 << 20, "cpu"), plan_units(a, b, 1 << 20, "cuda")
+    finally:
+        a.close()
+        b.close()
+    assert COMPARE_WORKSPACE_BYTES >= 2 * DECODE_ELEMENTS * 4
+    assert cpu and all(u.write_bytes == 0 and u.memory == u.read_bytes + COMPARE_WORKSPACE_BYTES for u in cpu)
+    assert all(g.memory == g.read_bytes == u.read_bytes for u, g in zip(cpu, gpu, strict=True))
+
+
 def test_dense_tensors_cut_in_row_slices_keep_their_bytes(tmp_path):
     """A dense tensor bigger than the slice (the real embeddings: 1.85 GB against 64 MiB) is read and
     written in row slices; every slice must be its own rows (a slice past the first once came out

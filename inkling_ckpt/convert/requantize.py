@@ -10,13 +10,14 @@ bounded by an expert slice, never a layer. The units run through :mod:`inkling_c
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
 from ..errors import CheckpointError
-from ..formats.stacked import UNQUANTIZED
+from ..formats.stacked import UNQUANTIZED, natural_dtype
 from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
 from ..model.config import InklingConfig
 from ..model.inventory import ExpertStack, TensorSpec, expert_stacks, inventory
@@ -32,6 +33,10 @@ from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read
 #: Bytes of BF16 expert weights handled at once by default (``--slice-mb``; bounds memory: the
 #: slice, its float32 temporaries in the codecs are chunked separately).
 SLICE_BYTES = DEFAULT_SLICE_BYTES
+#: Host bytes an expert slice's encode holds on the CPU beside what it reads and writes: the codec's
+#: chunk temporaries (``formats._base.CHUNK_ELEMS`` float32 values, their codes, the packing). One
+#: worker on the 2-core box peaked 11 MiB over a BF16 -> NVFP4 unit's read + write, once warm.
+ENCODE_WORKSPACE_BYTES = 16 << 20
 
 
 class TensorSource(Protocol):
@@ -122,11 +127,35 @@ def describe_requantize(src: TensorSource, plan: PrecisionPlan, *, command: str 
 
 
 def plan_units(src: TensorSource, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int) -> list[Unit]:
-    """The job's units in output order: each layer's dense tensors, then its experts slice by slice."""
-    in_bytes = {st.name: st.stored_bytes for st in expert_stacks(src.cfg, src.plan)}
+    """The job's units in output order: each layer's dense tensors, then its experts slice by slice.
+
+    Each is charged (``hold_bytes``) what :func:`transform` holds of it on the host at once: what
+    it reads, which is what it writes when nothing is re-encoded (dense tensors, a layer that keeps
+    its format); else what it reads and writes, the decoded values between two quantized formats,
+    and an encode's chunk temporaries (:data:`ENCODE_WORKSPACE_BYTES`). On a GPU ``requantize``
+    charges expert slices again (``read_on_device``).
+    """
+    in_stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
     stacks = {st.name: st for st in expert_stacks(src.cfg, plan)}
-    return release_units(specs, stacks, slice_bytes, src.cfg.num_hidden_layers, stack_read_bytes=in_bytes,
-                         row_reads=getattr(src, "row_reads", True))
+    units = release_units(specs, stacks, slice_bytes, src.cfg.num_hidden_layers,
+                          stack_read_bytes={n: st.stored_bytes for n, st in in_stacks.items()},
+                          row_reads=getattr(src, "row_reads", True))
+    return [replace(u, hold_bytes=_hold(u, in_stacks)) for u in units]
+
+
+def _hold(unit: Unit, in_stacks: Mapping[str, ExpertStack]) -> int:
+    sl = expert_slice(unit)
+    inp = in_stacks[sl[0].name] if sl is not None else None
+    if sl is None or inp is None or sl[0].fmt == inp.fmt:
+        return max(unit.read_bytes, unit.write_bytes, 1)  # the bytes read are the result
+    out, first, last = sl
+    hold = unit.read_bytes + unit.write_bytes
+    if out.fmt not in UNQUANTIZED:  # an encode: its temporaries, and from a quantized source the BF16 between
+        hold += ENCODE_WORKSPACE_BYTES
+        if inp.fmt not in UNQUANTIZED:
+            _, rows, cols = out.shape
+            hold += (last - first) * rows * cols * natural_dtype(inp.fmt).itemsize
+    return hold
 
 
 def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex: Executor) -> Callable[[Unit], dict[str, torch.Tensor]]:

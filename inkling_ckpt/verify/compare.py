@@ -279,6 +279,12 @@ Entry = tuple[str, tuple[Any, ...], "str | None"]
 #: w13 is 21M elements, so it goes a block of rows at a time), whatever the device: a fixed cut,
 #: so the sums see the same pieces on the CPU and on a GPU.
 DECODE_ELEMENTS = 1 << 22
+#: Host bytes a unit's comparison holds on the CPU beside what it reads: a piece decoded to float32
+#: per side (``DECODE_ELEMENTS`` each) and the statistics' temporaries (``STATS_CHUNK`` elements
+#: in float32 and float64, masks): one worker's units peaked up to 47 MiB over what they read.
+#: Uncharged, four workers took a node-sized process (a CUDA build's ~500 MiB at the start) to
+#: 1.24-1.33 GiB on the 2-core box.
+COMPARE_WORKSPACE_BYTES = 2 * DECODE_ELEMENTS * 4 + 4 * STATS_CHUNK * 4
 
 
 def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
@@ -311,12 +317,13 @@ def pairs(a: Any, b: Any) -> list[tuple[str, str, int | None]]:
     return out
 
 
-def plan_units(a: Any, b: Any, slice_bytes: int) -> list[Unit]:
+def plan_units(a: Any, b: Any, slice_bytes: int, device_type: str = "cpu") -> list[Unit]:
     """The comparison's units from both sides' headers, in checkpoint order (``pipeline.release_units``).
 
     ``slice_bytes`` is what one unit reads of both sides together: non-expert tensors batched or
     cut by rows, each layer's experts a slice of experts at a time. A non-expert tensor whose
-    shape differs between the sides is an error here, before anything is read.
+    shape differs between the sides is an error here, before anything is read. Each unit is
+    charged what it reads, and on the CPU (``device_type``) :data:`COMPARE_WORKSPACE_BYTES` more.
     """
     only_a, _ = unpaired(a, b)
     specs = [s for s in a.expected() if s.name not in only_a]
@@ -330,7 +337,9 @@ def plan_units(a: Any, b: Any, slice_bytes: int) -> list[Unit]:
     units = release_units(specs, stacks_a, max(1, slice_bytes // 2), a.cfg.num_hidden_layers, stack_read_bytes=read,
                           row_reads=getattr(a, "row_reads", True) and getattr(b, "row_reads", True),
                           read_bytes=lambda s: s.nbytes + dense_b[s.name].nbytes)
-    return [replace(u, write_bytes=0) for u in units]  # verify writes nothing
+    # Verify writes nothing; a unit holds what it reads and, on the CPU, its comparison's temporaries.
+    extra = COMPARE_WORKSPACE_BYTES if device_type == "cpu" else 0
+    return [replace(u, write_bytes=0, hold_bytes=u.read_bytes + extra) for u in units]
 
 
 def transform(a: Any, b: Any, ex: Executor) -> Callable[[Unit], list[Entry]]:
@@ -462,7 +471,7 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
         out = Comparison(_describe(a, path_a), _describe(b, path_b))
         out.only_a, out.only_b = unpaired(a, b)
         ex = Executor(options or Options(progress=progress), desc="verify")
-        units = read_on_device(plan_units(a, b, ex.slice_bytes), ex.device.type, [a, b])
+        units = read_on_device(plan_units(a, b, ex.slice_bytes, ex.device.type), ex.device.type, [a, b])
         owner = assign({u.key: u.read_bytes for u in units}, ex.world.size)
         mine = [u for u in units if owner[u.key] == ex.world.rank]
         done: dict[str, list[Entry]] = {}
