@@ -724,6 +724,42 @@ def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed):
             (work / "slices-all" / "model.safetensors").read_bytes()
 
 
+def test_merge_charges_each_step_what_it_holds(work, base_mixed, ad_random, monkeypatch):
+    """The memory budget sees what a step holds on the host: a copy the bytes it moves (once), an
+    expert slice its stored parts and, on the CPU, the slice decoded to float32 (twice with
+    ``measure``, which decodes the merged result again), a linear's rows beside their float32 copy."""
+    import importlib
+
+    from inkling_ckpt.pipeline import Options
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    planned: dict[bool, list] = {}
+    real = merge_mod._plan_steps
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        planned[kw["measure"]] = steps = real(*args, **kw)
+        return steps
+
+    monkeypatch.setattr(merge_mod, "_plan_steps", spy)
+    for measure in (False, True):
+        merge(base_mixed, ad_random, work / f"charged-{measure}", measure=measure,
+              options=Options(device="cpu", progress=False))
+    for measure, steps in planned.items():
+        kinds = {u.data.kind for u in steps}
+        assert {"copy", "experts", "linear"} <= kinds
+        for u in steps:
+            if u.data.kind == "copy":
+                assert u.memory == u.read_bytes == u.write_bytes
+            elif u.data.kind == "experts":
+                _, rows, cols = u.data.unit.stack.shape
+                f32 = (u.data.hi - u.data.lo) * rows * cols * 4
+                assert u.memory >= u.read_bytes + u.write_bytes + f32 * (2 if measure else 1)
+            elif u.data.kind == "linear":
+                assert u.memory >= u.read_bytes + u.write_bytes + 2 * (u.data.hi - u.data.lo) * 4
+    experts = {m: sum(u.memory for u in steps if u.data.kind == "experts") for m, steps in planned.items()}
+    assert experts[True] > experts[False]
+
+
 # ---- the pipeline: devices, workers, ranks ---------------------------------------------------
 
 

@@ -296,10 +296,11 @@ class _Got:
     measured: list[tuple[float, float]] = field(default_factory=list)  # per merged expert: signal, error (float64)
 
 
-def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]], slice_bytes: int) -> list[Unit]:
+def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]], slice_bytes: int, *,
+                device_type: str = "cpu", measure: bool = False) -> list[Unit]:
     """Every group's steps in file order: an ``open``, then copies (contiguous spans up to
     ``COPY_CHUNK``) and merges (row chunks of a linear, expert slices of about ``slice_bytes`` of
-    BF16 of a stack: ``--slice-mb``)."""
+    BF16 of a stack: ``--slice-mb``), each charged what it holds on the host (``_merge_steps``)."""
     unit_of = {n: u for u in units for n in u.writes}
     out: list[Unit] = []
     for g, files in enumerate(groups):
@@ -322,7 +323,7 @@ def _plan_steps(b: _Base, units: list[_Unit], groups: list[list[str]], slice_byt
             done.add(id(u))
             out += _copy_steps(span, g)
             span = []
-            out += _merge_steps(b, u, g, slice_bytes)
+            out += _merge_steps(b, u, g, slice_bytes, device_type=device_type, measure=measure)
         out += _copy_steps(span, g)
     return out
 
@@ -333,10 +334,18 @@ def _copy_steps(span: list[Any], g: int) -> list[Unit]:
         return []
     f, a, z = span
     return [Unit(f"copy:{f}:{lo}", f, min(z, lo + COPY_CHUNK) - lo, min(z, lo + COPY_CHUNK) - lo, (),
-                 _Step("copy", g, f, lo, min(z, lo + COPY_CHUNK))) for lo in range(a, z, COPY_CHUNK)]
+                 _Step("copy", g, f, lo, min(z, lo + COPY_CHUNK)), hold_bytes=max(1, min(z, lo + COPY_CHUNK) - lo))
+            for lo in range(a, z, COPY_CHUNK)]  # the bytes read are what it writes
 
 
-def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int) -> list[Unit]:
+def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: str = "cpu",
+                 measure: bool = False) -> list[Unit]:
+    """A tensor's merge steps, each charged (``hold_bytes``) what :class:`_Merger` holds of it on the host
+    at once. A linear's rows: read, widened to float32 with the float32 delta beside them, written. An
+    expert slice: its stored parts (read, and again when only some experts change), one expert's
+    float32 delta (formed on the CPU), the new parts, and on the CPU the slice in float32 (twice with
+    ``measure``, which decodes the result again): a node-sized process (~500 MiB at the start) merging
+    NVFP4 experts with four workers peaked at 1.5 GiB while the slices were charged their stored bytes."""
     f = b.where[u.base]
     if u.stack is None:  # a float linear, a row chunk at a time
         (rows, cols), dtype = b.meta[u.base]
@@ -344,12 +353,20 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int) -> list[Unit]:
         step = max(1, ROW_CHUNK_ELEMS // max(1, cols))
         cuts = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)] or [(0, 0)]
         return [Unit(f"{u.base}[{lo}:{hi}]", f, (hi - lo) * row_bytes, (hi - lo) * row_bytes, (),
-                     _Step("linear", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
-    E = u.stack.shape[0]
+                     _Step("linear", g, f, lo, hi, u, i == len(cuts) - 1),
+                     hold_bytes=max(1, 2 * (hi - lo) * (row_bytes + cols * 4)))
+                for i, (lo, hi) in enumerate(cuts)]
+    E, rows, cols = u.stack.shape
     per = sum(b.span(n)[2] - b.span(n)[1] for n in u.writes) // max(1, E)
+    delta = rows * cols * 4 // (2 if isinstance(u.target.rule, ExpertsGateUp) else 1)  # one product B @ A
+    widened = rows * cols * 4 * (2 if measure else 1) if device_type == "cpu" else 0
+
+    def hold(n: int) -> int:
+        return 3 * per * n + delta + widened * n
     cuts = expert_slices(u.stack, slice_bytes)
     return [Unit(f"{u.base}[{lo}:{hi}]", f, per * (hi - lo), per * (hi - lo), (),
-                 _Step("experts", g, f, lo, hi, u, i == len(cuts) - 1)) for i, (lo, hi) in enumerate(cuts)]
+                 _Step("experts", g, f, lo, hi, u, i == len(cuts) - 1), hold_bytes=hold(hi - lo))
+            for i, (lo, hi) in enumerate(cuts)]
 
 
 class _Merger:
@@ -435,8 +452,9 @@ class _Merger:
                 got.unchanged += 1
         if live:
             dev = self.device
+            every = len(live) == last - first  # the usual case: no copies of the parts needed
             idx = torch.tensor([e - first for e in live])
-            kept = _take(base_parts, idx)
+            kept = base_parts if every else _take(base_parts, idx)
             kept_d = kept if dev.type == "cpu" else {k: v.to(dev) for k, v in kept.items()}
             x = _decode(fmt, kept_d, u.base)
             # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
@@ -453,8 +471,11 @@ class _Merger:
                 got.measured = [(float(x[j].double().square().sum()), float((back[j] - x[j]).double().square().sum()))
                                 for j in range(x.shape[0])]
             for s in spans:
-                new[s] = new[s].clone()
-                new[s][idx] = enc[s].to("cpu")
+                if every:
+                    new[s] = enc[s].to("cpu")
+                else:
+                    new[s] = new[s].clone()
+                    new[s][idx] = enc[s].to("cpu")
             got.changed = True
         for s, t in new.items():
             f, a, _ = spans[s]
@@ -578,7 +599,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 passthrough_zero: bool, ex: Executor) -> MergeResult:
     t0 = time.perf_counter()
     groups = _file_groups(b, units)
-    steps = _plan_steps(b, units, groups, ex.slice_bytes)
+    steps = _plan_steps(b, units, groups, ex.slice_bytes, device_type=ex.device.type, measure=measure)
     sizes = [_files_bytes(b.root, files) for files in groups]
     owner = assign(dict(enumerate(sizes)), ex.world.size)
     order = {id(u): i for i, u in enumerate(steps)}
