@@ -774,3 +774,20 @@ def test_every_bench_command_line_is_one_the_cli_accepts(cli, tmp_path):
     for command, cmd_args, _, out in bench.layer_steps(tmp_path / "layer", TINY["bf16"], "2MB"):
         code, _, err = cli(*cmd_args, *bench.flags(command, "cpu", args))
         assert code == 0 and out.is_dir(), (command, err)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux only (/proc/self/clear_refs)")
+def test_the_unit_memory_bench_measures_every_unit_of_a_command(tmp_path):
+    """bench/unit_memory.py runs a command one unit at a time and prints each kind of unit's charge
+    beside its measured peak (a smoke check: it wraps the executor's map, whose signature it relies on)."""
+    bench = Path(__file__).resolve().parents[1] / "bench" / "unit_memory.py"
+    out = subprocess.run([sys.executable, str(bench), "quantize", str(TINY["bf16"]), str(tmp_path / "q"),
+                          "--plan", "nvfp4", "--device", "cpu", "-q"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    # "<kind> <n> <charge MiB> <peak MiB> <median> <most over>", one line per kind of unit
+    rows = {line.rsplit(None, 5)[0]: [float(x) for x in line.rsplit(None, 5)[1:]] for line in out.stdout.splitlines()
+            if line.startswith(("dense", "experts ->"))}
+    assert set(rows) == {"dense", "experts -> nvfp4"}, out.stdout
+    assert all(n >= 1 and charge > 0 for n, charge, *_ in rows.values()), out.stdout
+    assert any((tmp_path / "q").glob("*.safetensors"))
