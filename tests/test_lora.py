@@ -724,9 +724,44 @@ def test_expert_slices_do_not_change_the_merge(work, dims, base_mixed):
             (work / "slices-all" / "model.safetensors").read_bytes()
 
 
+def test_row_pieces_do_not_change_the_merge(work, dims, base_bf16, base_mixed, monkeypatch):
+    """Experts bigger than a piece (``ROW_CHUNK_ELEMS``: real-size ones) are merged a few rows at a
+    time, written over the slice's stored parts; shrunk here so the tiny experts split into row
+    pieces (w13: gate/up pairs), on a mixed and a BF16 base with some zero-delta experts (kept
+    bytes beside rewritten rows): the bytes and the reported SQNR of the whole-expert merge."""
+    import importlib
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    eng = engine(dims, trainer_adapter(dims, seed=17))
+    for n, t in eng.items():
+        if n.endswith("w1.lora_B.weight"):
+            t[[0, 2]] = 0  # w13 of experts 0 and 2 keeps the gate product only from w3
+        elif n.endswith(("w3.lora_B.weight",)):
+            t[2] = 0  # expert 2: no delta at all
+        elif n.endswith("w2.lora_A.weight"):
+            t[1] = 0
+    ad = write_adapter_dir(work / "ad-pieces", eng)
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
+    cfg = HFCheckpoint.open(base_mixed).cfg
+    F, H = cfg.moe_intermediate_size, cfg.hidden_size
+    for name, base in (("mixed", base_mixed), ("bf16", base_bf16)):
+        whole = merge(base, ad, work / f"pieces-whole-{name}", progress=False, measure=True)
+        with monkeypatch.context() as m:
+            m.setattr(merge_mod, "ROW_CHUNK_ELEMS", 6 * H)  # w13: 6 rows (3 gate/up pairs) a piece
+            cut = merge_mod._pieces([0, 1, 3], 2 * F, H)
+            assert len(cut) == 3 * -(-2 * F // 6) and all(len(js) == 1 and r0 % 2 == 0 for js, r0, _ in cut)
+            pieces = merge(base, ad, work / f"pieces-rows-{name}", progress=False, measure=True)
+        assert pieces.unchanged_experts == whole.unchanged_experts > 0
+        assert pieces.sqnr.keys() == whole.sqnr.keys()
+        assert all(abs(pieces.sqnr[n] - whole.sqnr[n]) < 1e-9 for n in whole.sqnr)
+        assert (work / f"pieces-rows-{name}" / "model.safetensors").read_bytes() == \
+            (work / f"pieces-whole-{name}" / "model.safetensors").read_bytes()
+
+
 def test_merge_charges_each_step_what_it_holds(work, base_mixed, ad_random, monkeypatch):
     """The memory budget sees what a step holds on the host: a copy the bytes it moves (once), an
-    expert slice its stored parts and, on the CPU, the slice decoded to float32 (twice with
+    expert slice its stored parts and, on the CPU, a piece of it decoded to float32 (more with
     ``measure``, which decodes the merged result again), a linear's rows beside their float32 copy."""
     import importlib
 
@@ -752,7 +787,7 @@ def test_merge_charges_each_step_what_it_holds(work, base_mixed, ad_random, monk
                 assert u.memory == u.read_bytes == u.write_bytes
             elif u.data.kind == "experts":
                 _, rows, cols = u.data.unit.stack.shape
-                f32 = (u.data.hi - u.data.lo) * rows * cols * 4
+                f32 = merge_mod._piece_elems(u.data.hi - u.data.lo, rows, cols) * 4  # a piece at a time
                 assert u.memory >= u.read_bytes + u.write_bytes + f32 * (2 if measure else 1)
             elif u.data.kind == "linear":
                 assert u.memory >= u.read_bytes + u.write_bytes + 2 * (u.data.hi - u.data.lo) * 4

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..convert.experts import read_parts
-from ..convert.requantize import expert_slices
+from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
@@ -342,10 +342,13 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: s
                  measure: bool = False) -> list[Unit]:
     """A tensor's merge steps, each charged (``hold_bytes``) what :class:`_Merger` holds of it on the host
     at once. A linear's rows: read, widened to float32 with the float32 delta beside them, written. An
-    expert slice: its stored parts (read, and again when only some experts change), one expert's
-    float32 delta (formed on the CPU), the new parts, and on the CPU the slice in float32 (twice with
-    ``measure``, which decodes the result again): a node-sized process (~500 MiB at the start) merging
-    NVFP4 experts with four workers peaked at 1.5 GiB while the slices were charged their stored bytes."""
+    expert slice: its stored parts (read once, rewritten in place), and a piece at a time (``_pieces``)
+    its stored parts twice (taken, encoded), one float32 delta (formed on the CPU), the codecs' chunk
+    temporaries and on the CPU the piece in float32 (with ``measure``, which decodes the result
+    again and sums its error in float64, four times). A node-sized process (~500 MiB at the start)
+    merging real-size NVFP4 experts with four workers peaked at 1.5 GiB while the slices were charged
+    their stored bytes, and at 1.1 GiB with the whole slice decoded at once (charged 184 MiB a w13
+    expert, measured 182); a piece at a time ~80 MiB."""
     f = b.where[u.base]
     if u.stack is None:  # a float linear, a row chunk at a time
         (rows, cols), dtype = b.meta[u.base]
@@ -358,11 +361,12 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: s
                 for i, (lo, hi) in enumerate(cuts)]
     E, rows, cols = u.stack.shape
     per = sum(b.span(n)[2] - b.span(n)[1] for n in u.writes) // max(1, E)
-    delta = rows * cols * 4 // (2 if isinstance(u.target.rule, ExpertsGateUp) else 1)  # one product B @ A
-    widened = rows * cols * 4 * (2 if measure else 1) if device_type == "cpu" else 0
 
     def hold(n: int) -> int:
-        return 3 * per * n + delta + widened * n
+        piece = _piece_elems(n, rows, cols)
+        delta = piece * 4 // (2 if isinstance(u.target.rule, ExpertsGateUp) else 1)  # one product B @ A
+        widened = piece * 4 * (4 if measure else 1) if device_type == "cpu" else 0
+        return per * n + 2 * per * piece // (rows * cols) + delta + widened + ENCODE_WORKSPACE_BYTES
     cuts = expert_slices(u.stack, slice_bytes)
     return [Unit(f"{u.base}[{lo}:{hi}]", f, per * (hi - lo), per * (hi - lo), (),
                  _Step("experts", g, f, lo, hi, u, i == len(cuts) - 1), hold_bytes=hold(hi - lo))
@@ -428,60 +432,112 @@ class _Merger:
         return _Got([(f, start + r0 * row_bytes, _bytes(w))], changed=live)
 
     def experts(self, u: _Unit, first: int, last: int) -> _Got:
-        """Experts ``first:last`` of a merged stacked weight."""
+        """Experts ``first:last`` of a merged stacked weight, a piece (``_pieces``) at a time.
+
+        The new parts are written over the slice's stored parts as each piece is done (a piece
+        reads only its own rows, and an expert with a zero delta keeps its base bytes), so the
+        slice's parts are held once, and its float32 only a piece at a time: ~16 MiB whatever the
+        expert's size, where the whole slice in float32 was 4x its BF16 (a real-size w13 expert:
+        84 MiB, with its 42 MiB delta beside it)."""
         stack = u.stack or _expert_stack(u, self.base)
-        fmt, E = stack.fmt, stack.shape[0]
+        fmt, (_, rows, cols) = stack.fmt, stack.shape
         wdtype = self.base.meta[u.base][1]
         gate_up = isinstance(u.target.rule, ExpertsGateUp)
         shared = {k: self.factor(u, k)[0] for k, n in u.factors.items() if self.adapter.tensors[n].shape[0] == 1}
         pairs = [(0, "B", 0, "A"), (1, "B", 1, "A")] if gate_up else [(0, "B", 0, "A")]
         spans = {n[len(u.base):]: self.base.span(n) for n in u.writes}  # weight, block scales
-        per = {s: (b - a) // E for s, (_, a, b) in spans.items()}
+        per = {s: (b - a) // stack.shape[0] for s, (_, a, b) in spans.items()}
         got = _Got()
         fac = {k: self.factor(u, k, first, last) for k in u.factors if k not in shared}
-        base_parts = _read_parts(self.base, stack, first, last)
-        new = {s: base_parts[s] for s in spans}
-        live: dict[int, list[tuple[int, str, int, str]]] = {}
-        for e in range(first, last):
-            f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
+        parts = _read_parts(self.base, stack, first, last)
+        live: dict[int, list[tuple[int, str, int, str]]] = {}  # slice index -> its non-zero products
+        for j in range(last - first):
+            f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
             # which products are non-zero (finite factors: zero iff a factor is all zero)
-            lp = [p for p in pairs if not self.passthrough_zero or (bool(f_e[p[:2]].any()) and bool(f_e[p[2:]].any()))]
+            lp = [p for p in pairs if not self.passthrough_zero or (bool(f_j[p[:2]].any()) and bool(f_j[p[2:]].any()))]
             if lp:
-                live[e] = lp
+                live[j] = lp
             else:
                 got.unchanged += 1
-        if live:
-            dev = self.device
-            every = len(live) == last - first  # the usual case: no copies of the parts needed
-            idx = torch.tensor([e - first for e in live])
-            kept = base_parts if every else _take(base_parts, idx)
-            kept_d = kept if dev.type == "cpu" else {k: v.to(dev) for k, v in kept.items()}
-            x = _decode(fmt, kept_d, u.base)
-            # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3)
+        dev = self.device
+        measured: dict[int, list[float]] = {j: [0.0, 0.0] for j in live}
+        for js, r0, r1 in _pieces(list(live), rows, cols):
+            piece = _piece(parts, js, r0, r1)
+            piece_d = piece if dev.type == "cpu" else {k: v.to(dev) for k, v in piece.items()}
+            x = _decode(fmt, piece_d, u.base)
+            # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3); a
+            # piece starts on an even row, so its gate rows are B's rows r0/2:r1/2
             halves = deinterleave(x) if gate_up else None
-            for j, (e, lp) in enumerate(live.items()):
-                f_e = {k: shared[k] if k in shared else fac[k][e - first] for k in u.factors}
-                for i, bs, jj, as_ in lp:
-                    d = f_e[(i, bs)] @ f_e[(jj, as_)]
+            b0, b1 = (r0 // 2, r1 // 2) if gate_up else (r0, r1)
+            for i_x, j in enumerate(js):
+                f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
+                for i, bs, jj, as_ in live[j]:
+                    d = f_j[(i, bs)][b0:b1] @ f_j[(jj, as_)]
                     d.mul_(self.s)  # W + s * (B @ A), rounded in that order
-                    (x[j] if halves is None else halves[i][j]).add_(d if dev.type == "cpu" else d.to(dev))
-            enc = _encode(fmt, x, kept_d, wdtype, u.base)
+                    (x[i_x] if halves is None else halves[i][i_x]).add_(d if dev.type == "cpu" else d.to(dev))
+                del d
+            enc = _encode(fmt, x, piece_d, wdtype, u.base)
             if self.measure and fmt != "bf16":
-                back = _decode(fmt, {**kept_d, **{s: enc[s] for s in spans}}, u.base)
-                got.measured = [(float(x[j].double().square().sum()), float((back[j] - x[j]).double().square().sum()))
-                                for j in range(x.shape[0])]
+                back = _decode(fmt, {**piece_d, **{s: enc[s] for s in spans}}, u.base)
+                for i_x, j in enumerate(js):
+                    measured[j][0] += float(x[i_x].double().square().sum())
+                    measured[j][1] += float((back[i_x] - x[i_x]).double().square().sum())
+                del back
+            del x, halves, piece_d
             for s in spans:
-                if every:
-                    new[s] = enc[s].to("cpu")
-                else:
-                    new[s] = new[s].clone()
-                    new[s][idx] = enc[s].to("cpu")
+                _put(parts[s], js, r0, r1, enc[s].to("cpu"))
             got.changed = True
-        for s, t in new.items():
+        got.measured = [(sig, err) for sig, err in measured.values()]
+        for s in spans:
             f, a, _ = spans[s]
-            got.writes.append((f, a + first * per[s], _bytes(t)))
+            got.writes.append((f, a + first * per[s], _bytes(parts[s])))
         return got
 
+
+def _pieces(live: list[int], rows: int, cols: int) -> list[tuple[list[int], int, int]]:
+    """The merge's pieces of a slice's live experts (slice indices): ``(experts, first row, last
+    row)`` of about ``ROW_CHUNK_ELEMS`` elements each: whole experts together when one is smaller,
+    else one expert's rows (an even count: w13's gate/up row pairs stay in one piece)."""
+    size = rows * cols
+    if size <= ROW_CHUNK_ELEMS:
+        g = ROW_CHUNK_ELEMS // size
+        return [(live[i:i + g], 0, rows) for i in range(0, len(live), g)]
+    step = max(2, ROW_CHUNK_ELEMS // cols // 2 * 2)
+    return [([j], r0, min(rows, r0 + step)) for j in live for r0 in range(0, rows, step)]
+
+
+def _piece_elems(n: int, rows: int, cols: int) -> int:
+    """Elements of the largest piece ``_pieces`` cuts from ``n`` experts of ``rows`` x ``cols``."""
+    size = rows * cols
+    if size <= ROW_CHUNK_ELEMS:
+        return min(n, ROW_CHUNK_ELEMS // size) * size
+    return min(rows, max(2, ROW_CHUNK_ELEMS // cols // 2 * 2)) * cols
+
+
+def _index(js: list[int]) -> slice | torch.Tensor:
+    """Experts ``js`` as an index: a slice when they are consecutive (a view, no copy)."""
+    if js == list(range(js[0], js[-1] + 1)):
+        return slice(js[0], js[-1] + 1)
+    return torch.tensor(js)
+
+
+def _piece(parts: dict[str, torch.Tensor], js: list[int], r0: int, r1: int) -> dict[str, torch.Tensor]:
+    """Rows ``r0:r1`` of experts ``js`` of a slice's parts ([E] per-expert parts by expert, scalars whole)."""
+    idx = _index(js)
+    out = {}
+    for s, t in parts.items():
+        if t.dim() == 0 or (s == DENOM and t.numel() == 1):
+            out[s] = t
+        elif t.dim() == 1:
+            out[s] = t[idx]
+        else:
+            out[s] = t[idx][:, r0:r1].contiguous()
+    return out
+
+
+def _put(t: torch.Tensor, js: list[int], r0: int, r1: int, value: torch.Tensor) -> None:
+    """Write ``value`` over rows ``r0:r1`` of experts ``js`` of the stored part ``t`` (in place)."""
+    t[_index(js), r0:r1] = value
 
 
 def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
@@ -491,11 +547,6 @@ def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int) -> dict[
     if den is not None and den.numel() > 1:
         parts[DENOM] = den.reshape(-1)[first:last]
     return parts
-
-
-def _take(parts: dict[str, torch.Tensor], idx: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The experts ``idx`` of a slice's parts (scalars as they are)."""
-    return {s: t if t.dim() == 0 or (s == DENOM and t.numel() == 1) else t[idx] for s, t in parts.items()}
 
 
 def _decode(fmt: str, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
