@@ -791,3 +791,24 @@ def test_the_unit_memory_bench_measures_every_unit_of_a_command(tmp_path):
     assert set(rows) == {"dense", "experts -> nvfp4"}, out.stdout
     assert all(n >= 1 and charge > 0 for n, charge, *_ in rows.values()), out.stdout
     assert any((tmp_path / "q").glob("*.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lora_merge_writes_the_cpu_bytes_on_the_gpu(cli, tmp_path, monkeypatch):
+    """lora merge --device cuda (experts decoded, merged and re-encoded there, whole and a few rows
+    a piece) against --device cpu, on the tiny mixed fixture (NVFP4 and MXFP8 experts)."""
+    import importlib
+
+    from inkling_ckpt.lora.merge import merge
+    from inkling_ckpt.pipeline import Options
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    _, adapter = _sharded_and_adapter(cli, tmp_path, 2)
+    hidden = json.loads((TINY["mixed"] / "config.json").read_text())["text_config"]["hidden_size"]
+    for chunk in (merge_mod.ROW_CHUNK_ELEMS, 6 * hidden):
+        monkeypatch.setattr(merge_mod, "ROW_CHUNK_ELEMS", chunk)
+        for device in ("cpu", "cuda"):
+            merge(TINY["mixed"], adapter, tmp_path / f"{device}-{chunk}", progress=False,
+                  options=Options(device=device, progress=False))
+        assert _same_tree(tmp_path / f"cpu-{chunk}", tmp_path / f"cuda-{chunk}") == [], chunk
