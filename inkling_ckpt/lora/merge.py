@@ -34,7 +34,7 @@ from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, de
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
 from ..layouts.paths import check_dst, copy_new, inside, open_regular, pass_through
-from ..layouts.pread import TensorFile
+from ..layouts.pread import TensorFile, write_from
 from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
@@ -110,11 +110,14 @@ class _Base:
                 self._files[f] = TensorFile(self.root / f)
             return self._files[f]
 
-    def get(self, name: str) -> torch.Tensor:
-        return self._file(name).read(name)
+    #: ``read_parts`` may read expert slices straight onto a GPU (through small pinned buffers).
+    reads_to_device = True
 
-    def read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._file(name).read(name, lo, hi)
+    def get(self, name: str, *, device: torch.device | None = None) -> torch.Tensor:
+        return self._file(name).read(name, device=device)
+
+    def read_rows(self, name: str, lo: int, hi: int, *, device: torch.device | None = None) -> torch.Tensor:
+        return self._file(name).read(name, lo, hi, device=device)
 
     def close(self) -> None:
         for tf in self._files.values():
@@ -254,10 +257,13 @@ class _Out:
             fh.truncate(size)
             self.fh[f] = fh
 
-    def write(self, f: str, pos: int, data: bytes | memoryview) -> None:
+    def write(self, f: str, pos: int, data: bytes | memoryview | torch.Tensor) -> None:
         fh = self.fh[f]
         fh.seek(pos)
-        fh.write(data)
+        if isinstance(data, torch.Tensor):
+            write_from(fh, data)  # a GPU tensor comes down through small pinned buffers
+        else:
+            fh.write(data)
 
     def close(self) -> None:
         for fh in self.fh.values():
@@ -290,7 +296,7 @@ class _Step:
 class _Got:
     """What a step produced: positioned writes, and what the result reports of it."""
 
-    writes: list[tuple[str, int, memoryview | bytes]] = field(default_factory=list)
+    writes: list[tuple[str, int, memoryview | bytes | torch.Tensor]] = field(default_factory=list)
     changed: bool = False
     unchanged: int = 0
     measured: list[tuple[float, float]] = field(default_factory=list)  # per merged expert: signal, error (float64)
@@ -344,11 +350,12 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: s
     at once. A linear's rows: read, widened to float32 with the float32 delta beside them, written. An
     expert slice: its stored parts (read once, rewritten in place), and a piece at a time (``_pieces``)
     its stored parts twice (taken, encoded), one float32 delta (formed on the CPU), the codecs' chunk
-    temporaries and on the CPU the piece in float32 (with ``measure``, which decodes the result
-    again and sums its error in float64, four times). A node-sized process (~500 MiB at the start)
-    merging real-size NVFP4 experts with four workers peaked at 1.5 GiB while the slices were charged
-    their stored bytes, and at 1.1 GiB with the whole slice decoded at once (charged 184 MiB a w13
-    expert, measured 182); a piece at a time ~80 MiB."""
+    temporaries and the piece in float32 (with ``measure``, which decodes the result again and sums
+    its error in float64, four times); on a GPU, where the parts are read and written, only the
+    delta. A node-sized process (~500 MiB at the start) merging real-size NVFP4 experts with four
+    workers peaked at 1.5 GiB while the slices were charged their stored bytes, and at 1.1 GiB with
+    the whole slice decoded at once (charged 184 MiB a w13 expert, measured 182); a piece at a
+    time ~70 MiB."""
     f = b.where[u.base]
     if u.stack is None:  # a float linear, a row chunk at a time
         (rows, cols), dtype = b.meta[u.base]
@@ -365,7 +372,9 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: s
     def hold(n: int) -> int:
         piece = _piece_elems(n, rows, cols)
         delta = piece * 4 // (2 if isinstance(u.target.rule, ExpertsGateUp) else 1)  # one product B @ A
-        widened = piece * 4 * (4 if measure else 1) if device_type == "cpu" else 0
+        if device_type != "cpu":  # parts, pieces and codecs on the GPU: the delta is formed on the host
+            return delta
+        widened = piece * 4 * (4 if measure else 1)
         return per * n + 2 * per * piece // (rows * cols) + delta + widened + ENCODE_WORKSPACE_BYTES
     cuts = expert_slices(u.stack, slice_bytes)
     return [Unit(f"{u.base}[{lo}:{hi}]", f, per * (hi - lo), per * (hi - lo), (),
@@ -449,7 +458,9 @@ class _Merger:
         per = {s: (b - a) // stack.shape[0] for s, (_, a, b) in spans.items()}
         got = _Got()
         fac = {k: self.factor(u, k, first, last) for k in u.factors if k not in shared}
-        parts = _read_parts(self.base, stack, first, last)
+        dev = self.device
+        # on a GPU the parts are read straight onto it and written from it: the host holds none of them
+        parts = _read_parts(self.base, stack, first, last, None if dev.type == "cpu" else dev)
         live: dict[int, list[tuple[int, str, int, str]]] = {}  # slice index -> its non-zero products
         for j in range(last - first):
             f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
@@ -459,12 +470,10 @@ class _Merger:
                 live[j] = lp
             else:
                 got.unchanged += 1
-        dev = self.device
         measured: dict[int, list[float]] = {j: [0.0, 0.0] for j in live}
         for js, r0, r1 in _pieces(list(live), rows, cols):
             piece = _piece(parts, js, r0, r1)
-            piece_d = piece if dev.type == "cpu" else {k: v.to(dev) for k, v in piece.items()}
-            x = _decode(fmt, piece_d, u.base)
+            x = _decode(fmt, piece, u.base)
             # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3); a
             # piece starts on an even row, so its gate rows are B's rows r0/2:r1/2
             halves = deinterleave(x) if gate_up else None
@@ -476,21 +485,21 @@ class _Merger:
                     d.mul_(self.s)  # W + s * (B @ A), rounded in that order
                     (x[i_x] if halves is None else halves[i][i_x]).add_(d if dev.type == "cpu" else d.to(dev))
                 del d
-            enc = _encode(fmt, x, piece_d, wdtype, u.base)
+            enc = _encode(fmt, x, piece, wdtype, u.base)
             if self.measure and fmt != "bf16":
-                back = _decode(fmt, {**piece_d, **{s: enc[s] for s in spans}}, u.base)
+                back = _decode(fmt, {**piece, **{s: enc[s] for s in spans}}, u.base)
                 for i_x, j in enumerate(js):
                     measured[j][0] += float(x[i_x].double().square().sum())
                     measured[j][1] += float((back[i_x] - x[i_x]).double().square().sum())
                 del back
-            del x, halves, piece_d
+            del x, halves, piece
             for s in spans:
-                _put(parts[s], js, r0, r1, enc[s].to("cpu"))
+                _put(parts[s], js, r0, r1, enc[s])
             got.changed = True
         got.measured = [(sig, err) for sig, err in measured.values()]
         for s in spans:
             f, a, _ = spans[s]
-            got.writes.append((f, a + first * per[s], _bytes(parts[s])))
+            got.writes.append((f, a + first * per[s], parts[s] if dev.type != "cpu" else _bytes(parts[s])))
         return got
 
 
@@ -540,9 +549,10 @@ def _put(t: torch.Tensor, js: list[int], r0: int, r1: int, value: torch.Tensor) 
     t[_index(js), r0:r1] = value
 
 
-def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int) -> dict[str, torch.Tensor]:
-    """Experts ``first:last`` of a stacked weight's stored parts (an [E] denominator sliced too)."""
-    parts = read_parts(base, stack, first, last)  # type: ignore[arg-type]
+def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int,
+                device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Experts ``first:last`` of a stacked weight's stored parts (an [E] denominator sliced too), on ``device``."""
+    parts = read_parts(base, stack, first, last, device=device)  # type: ignore[arg-type]
     den = parts.get(DENOM)
     if den is not None and den.numel() > 1:
         parts[DENOM] = den.reshape(-1)[first:last]
