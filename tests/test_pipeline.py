@@ -281,7 +281,20 @@ def test_every_executor_steadies_memory_once_per_process(monkeypatch):
     monkeypatch.setattr(memory, "_glibc", lambda: Libc())
     Executor(Options(device="cpu", progress=False))
     Executor(Options(device="cpu", progress=False))
-    assert calls == [(memory.M_MMAP_THRESHOLD, 8 << 20), (memory.M_TRIM_THRESHOLD, 32 << 20)]
+    assert calls == [(memory.M_MMAP_THRESHOLD, 8 << 20), (memory.M_TRIM_THRESHOLD, 32 << 20),
+                     (memory.M_ARENA_MAX, 1)]
+
+
+def test_glibc_takes_every_setting_steady_memory_makes():
+    """mallopt returns 1 for a parameter it knows and a value it accepts (0 otherwise: silently ignored)."""
+    from inkling_ckpt.pipeline import memory
+
+    libc = memory._glibc()
+    if libc is None:
+        pytest.skip("not glibc")
+    for param, value in ((memory.M_MMAP_THRESHOLD, memory.MMAP_THRESHOLD),
+                         (memory.M_TRIM_THRESHOLD, memory.TRIM_THRESHOLD), (memory.M_ARENA_MAX, memory.ARENA_MAX)):
+        assert libc.mallopt(param, value) == 1, param
 
 
 def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
