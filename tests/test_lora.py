@@ -851,3 +851,23 @@ def test_two_ranks_merge_the_one_process_bytes_and_report_both(work, dims, base_
     assert sharded_rep["ranks"]["count"] == 2
     assert all(each["bytes_written"] > 0 for each in sharded_rep["ranks"]["each"])  # each rank wrote its files
     assert sharded_rep["changed"] and sharded_rep["files"] == len(list(sharded.glob("model-*.safetensors")))
+
+
+def test_merge_takes_the_cpu_default_of_workers_on_a_gpu_too(work, base_mixed, ad_random, monkeypatch):
+    """A merge's steps work mostly on the host even with --device cuda (copies, float linears,
+    deltas): it asks the executor for at most the CPU's default workers there, not the GPU's."""
+    import importlib
+
+    from inkling_ckpt.pipeline import executor as executor_mod
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    seen: list[int] = []
+    real = executor_mod.Executor
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("gpu_workers", executor_mod.MAX_DEFAULT_GPU_WORKERS))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(merge_mod, "Executor", spy)
+    merge(base_mixed, ad_random, work / "gpu-workers", progress=False)
+    assert seen == [executor_mod.MAX_DEFAULT_WORKERS] and executor_mod.MAX_DEFAULT_WORKERS < executor_mod.MAX_DEFAULT_GPU_WORKERS

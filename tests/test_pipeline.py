@@ -101,6 +101,8 @@ def test_ranks_on_one_node_split_its_cores():
     assert share_cores(16, 4, 0, "cuda") == (4, 1)
     assert share_cores(2, 2, 0, "cuda") == (2, 1)  # at least 2 with a GPU: reading overlaps the device
     assert share_cores(16, 2, 5, "cuda") == (5, 1)
+    assert share_cores(16, 1, 0, "cuda", gpu_workers=4) == (4, 1)  # a command whose work is on the host
+    assert share_cores(16, 1, 6, "cuda", gpu_workers=4) == (6, 1)  # --workers is the user's
 
 
 def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):

@@ -38,6 +38,7 @@ from ..layouts.pread import TensorFile, write_from
 from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
+from ..pipeline.executor import MAX_DEFAULT_WORKERS
 from .io import WEIGHTS_FILE, Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
@@ -649,7 +650,10 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
         units = plan_units(b, ad)
         job = {"what": "lora-merge", "base": str(base_p.resolve()), "base_files": _identity(base_p),
                "adapter": str(ad_p.resolve()), "adapter_files": _identity(ad_p), "passthrough_zero": passthrough_zero}
-        ex = Executor(options or Options(progress=progress), desc="lora merge")
+        # On a GPU a merge still copies, merges float linears and forms deltas on the host: 8 workers
+        # (the GPU default) ran it in 14.3-18.7 s at 1083-1116 MiB peak RSS on the H200 machine
+        # (8-layer wide fixture), 4 in 12.8 s at 1000 MiB.
+        ex = Executor(options or Options(progress=progress), desc="lora merge", gpu_workers=MAX_DEFAULT_WORKERS)
         return _merge_into(b, ad, units, dst_p, job, force, measure, passthrough_zero, ex)
     finally:
         b.close()

@@ -83,20 +83,21 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def share_cores(cores: int, local_ranks: int, workers: int, device_type: str) -> tuple[int, int]:
+def share_cores(cores: int, local_ranks: int, workers: int, device_type: str, *,
+                gpu_workers: int = MAX_DEFAULT_GPU_WORKERS) -> tuple[int, int]:
     """``(workers, torch threads per worker)`` for one rank of ``local_ranks`` sharing ``cores``.
 
     The ranks on one node split its cores evenly, and a rank's workers split its share, so the
     node runs ``cores`` threads in all whatever the rank count (more oversubscribes: two ranks
     each using every core ran slower than one). ``workers`` 0 means the default: one per core of
-    the rank's share, at most :data:`MAX_DEFAULT_WORKERS` (:data:`MAX_DEFAULT_GPU_WORKERS` on a
-    GPU), and at least 2 on a GPU (the GPU work of a slice takes milliseconds; reading, checking
+    the rank's share, at most :data:`MAX_DEFAULT_WORKERS` (``gpu_workers`` on a GPU, by default
+    :data:`MAX_DEFAULT_GPU_WORKERS`), and at least 2 on a GPU (the GPU work of a slice takes milliseconds; reading, checking
     and serializing it on the host does not, so the host side wants several slices in flight).
     At least 1 each. On a GPU a worker mostly waits on its stream or in I/O: one torch thread.
     """
     share = max(1, cores // max(1, local_ranks))
     if workers <= 0:
-        workers = max(1, min(share, MAX_DEFAULT_GPU_WORKERS if device_type == "cuda" else MAX_DEFAULT_WORKERS))
+        workers = max(1, min(share, gpu_workers if device_type == "cuda" else MAX_DEFAULT_WORKERS))
         if device_type == "cuda":
             workers = max(2, workers)
     threads = max(1, share // workers) if device_type == "cpu" else 1
@@ -180,7 +181,10 @@ class RankStats:
 class Executor:
     """Runs units for one command on one rank; see the module docstring."""
 
-    def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None):
+    def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None,
+                 gpu_workers: int = MAX_DEFAULT_GPU_WORKERS):
+        """``gpu_workers``: the most workers by default on a GPU, for a command whose units do most
+        of their work on the host even there (lora merge: copies, float linears, deltas)."""
         steady_memory()  # every command that streams tensors: freed slices go back to the OS
         self.options = options or Options()
         self.desc = desc
@@ -188,7 +192,8 @@ class Executor:
         self.device = resolve_device(self.options.device)
         asked = int(self.options.slice_bytes)
         self.slice_bytes = asked if asked > 0 else default_slice_bytes(self.device.type)
-        self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type)
+        self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type,
+                                                 gpu_workers=gpu_workers)
         self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers,
                                threads=self.threads)
         self._t0 = time.perf_counter()
