@@ -731,18 +731,18 @@ def test_row_pieces_do_not_change_the_merge(work, dims, base_bf16, base_mixed, m
     bytes beside rewritten rows): the bytes and the reported SQNR of the whole-expert merge."""
     import importlib
 
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+
     merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
     eng = engine(dims, trainer_adapter(dims, seed=17))
     for n, t in eng.items():
         if n.endswith("w1.lora_B.weight"):
-            t[[0, 2]] = 0  # w13 of experts 0 and 2 keeps the gate product only from w3
-        elif n.endswith(("w3.lora_B.weight",)):
+            t[[0, 2]] = 0  # experts 0 and 2: no gate (w1) product, only the up (w3) one
+        elif n.endswith("w3.lora_B.weight"):
             t[2] = 0  # expert 2: no delta at all
         elif n.endswith("w2.lora_A.weight"):
             t[1] = 0
     ad = write_adapter_dir(work / "ad-pieces", eng)
-    from inkling_ckpt.layouts.hf import HFCheckpoint
-
     cfg = HFCheckpoint.open(base_mixed).cfg
     F, H = cfg.moe_intermediate_size, cfg.hidden_size
     for name, base in (("mixed", base_mixed), ("bf16", base_bf16)):

@@ -235,11 +235,20 @@ def test_text_report_says_how_it_ran(capsys):
     assert " in " in line and "MB/s" in line and line.endswith("; cpu)") and "ranks" not in line
 
 
-def test_decode_pieces_cover_the_slice_once(monkeypatch):
-    from inkling_ckpt.verify import compare as cmp
+def test_decode_pieces_cover_the_slice_once():
+    """verify's pieces (``convert.experts.expert_pieces``, shared with lora merge), at 14 elements;
+    written as (first expert, last expert, first row, last row)."""
+    from inkling_ckpt.convert.experts import expert_pieces
 
-    monkeypatch.setattr(cmp, "DECODE_ELEMENTS", 14)
-    assert cmp._decode_pieces((8, 2, 3), 5) == [(0, 2, 0, 2), (2, 4, 0, 2), (4, 5, 0, 2)]  # whole experts
-    assert cmp._decode_pieces((8, 5, 7), 2) == [(0, 1, 0, 2), (0, 1, 2, 4), (0, 1, 4, 5),   # row blocks
-                                                (1, 2, 0, 2), (1, 2, 2, 4), (1, 2, 4, 5)]
-    assert cmp._decode_pieces((8, 3, 20), 1) == [(0, 1, 0, 1), (0, 1, 1, 2), (0, 1, 2, 3)]  # at least a row
+    def pieces(shape, experts, **kw):  # type: ignore[no-untyped-def]
+        _, rows, cols = shape
+        return [(js[0], js[-1] + 1, lo, hi) for js, lo, hi in expert_pieces(range(experts), rows, cols, 14, **kw)]
+
+    assert pieces((8, 2, 3), 5) == [(0, 2, 0, 2), (2, 4, 0, 2), (4, 5, 0, 2)]  # whole experts
+    assert pieces((8, 5, 7), 2) == [(0, 1, 0, 2), (0, 1, 2, 4), (0, 1, 4, 5),   # row blocks
+                                    (1, 2, 0, 2), (1, 2, 2, 4), (1, 2, 4, 5)]
+    assert pieces((8, 3, 20), 1) == [(0, 1, 0, 1), (0, 1, 1, 2), (0, 1, 2, 3)]  # at least a row
+    # lora merge's: rows in pairs (w13's gate/up), at least one pair; experts need not be consecutive
+    assert pieces((8, 6, 3), 1, row_multiple=2) == [(0, 1, 0, 4), (0, 1, 4, 6)]
+    assert pieces((8, 6, 20), 1, row_multiple=2) == [(0, 1, 0, 2), (0, 1, 2, 4), (0, 1, 4, 6)]
+    assert expert_pieces([0, 2, 3], 2, 3, 14) == [([0, 2], 0, 2), ([3], 0, 2)]

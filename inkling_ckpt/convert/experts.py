@@ -9,7 +9,7 @@ of every block whose values are unchanged, so an untouched weight comes back byt
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 import torch
 
@@ -50,6 +50,21 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
             t = t if dev is None else t.to(dev)
         out[spec.part] = t
     return out  # type: ignore[return-value]
+
+
+def expert_pieces(experts: Sequence[int], rows: int, cols: int, elems: int,
+                  row_multiple: int = 1) -> list[tuple[list[int], int, int]]:
+    """``(experts, first row, last row)``: the pieces of about ``elems`` elements in which
+    ``experts`` (indices into a slice) of a stacked [E, rows, cols] weight are worked on - whole
+    experts together while they fit, else one expert a block of rows at a time (a multiple of
+    ``row_multiple`` rows, at least one multiple: w13's gate/up pairs stay in one piece with 2).
+    A fixed cut: float sums over the pieces do not depend on the device, workers or ranks."""
+    experts = list(experts)
+    if rows * cols <= elems:
+        step = elems // (rows * cols)
+        return [(experts[i:i + step], 0, rows) for i in range(0, len(experts), step)]
+    block = max(row_multiple, elems // cols // row_multiple * row_multiple)
+    return [([e], r, min(rows, r + block)) for e in experts for r in range(0, rows, block)]
 
 
 def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
@@ -177,5 +192,5 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
     return out
 
 
-__all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "read_parts",
+__all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "expert_pieces", "read_parts",
            "reuse_unchanged_blocks"]

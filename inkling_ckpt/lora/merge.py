@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..convert.experts import read_parts
+from ..convert.experts import expert_pieces, read_parts
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
@@ -500,28 +500,19 @@ class _Merger:
         got.measured = [(sig, err) for sig, err in measured.values()]
         for s in spans:
             f, a, _ = spans[s]
-            got.writes.append((f, a + first * per[s], parts[s] if dev.type != "cpu" else _bytes(parts[s])))
+            got.writes.append((f, a + first * per[s], parts[s]))  # on a GPU: written from it
         return got
 
 
 def _pieces(live: list[int], rows: int, cols: int) -> list[tuple[list[int], int, int]]:
-    """The merge's pieces of a slice's live experts (slice indices): ``(experts, first row, last
-    row)`` of about ``ROW_CHUNK_ELEMS`` elements each: whole experts together when one is smaller,
-    else one expert's rows (an even count: w13's gate/up row pairs stay in one piece)."""
-    size = rows * cols
-    if size <= ROW_CHUNK_ELEMS:
-        g = ROW_CHUNK_ELEMS // size
-        return [(live[i:i + g], 0, rows) for i in range(0, len(live), g)]
-    step = max(2, ROW_CHUNK_ELEMS // cols // 2 * 2)
-    return [([j], r0, min(rows, r0 + step)) for j in live for r0 in range(0, rows, step)]
+    """The merge's pieces of a slice's live experts (slice indices) of about ``ROW_CHUNK_ELEMS``
+    elements each (``convert.experts.expert_pieces``; an expert's rows in gate/up pairs)."""
+    return expert_pieces(live, rows, cols, ROW_CHUNK_ELEMS, row_multiple=2)
 
 
 def _piece_elems(n: int, rows: int, cols: int) -> int:
     """Elements of the largest piece ``_pieces`` cuts from ``n`` experts of ``rows`` x ``cols``."""
-    size = rows * cols
-    if size <= ROW_CHUNK_ELEMS:
-        return min(n, ROW_CHUNK_ELEMS // size) * size
-    return min(rows, max(2, ROW_CHUNK_ELEMS // cols // 2 * 2)) * cols
+    return max(len(js) * (r1 - r0) * cols for js, r0, r1 in _pieces(list(range(max(1, n))), rows, cols))
 
 
 def _index(js: list[int]) -> slice | torch.Tensor:

@@ -91,8 +91,9 @@ def share_cores(cores: int, local_ranks: int, workers: int, device_type: str, *,
     node runs ``cores`` threads in all whatever the rank count (more oversubscribes: two ranks
     each using every core ran slower than one). ``workers`` 0 means the default: one per core of
     the rank's share, at most :data:`MAX_DEFAULT_WORKERS` (``gpu_workers`` on a GPU, by default
-    :data:`MAX_DEFAULT_GPU_WORKERS`), and at least 2 on a GPU (the GPU work of a slice takes milliseconds; reading, checking
-    and serializing it on the host does not, so the host side wants several slices in flight).
+    :data:`MAX_DEFAULT_GPU_WORKERS`), and at least 2 on a GPU (the GPU work of a slice takes
+    milliseconds; reading, checking and serializing it on the host does not, so the host side
+    wants several slices in flight).
     At least 1 each. On a GPU a worker mostly waits on its stream or in I/O: one torch thread.
     """
     share = max(1, cores // max(1, local_ranks))

@@ -70,7 +70,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import read_parts
+from ..convert.experts import expert_pieces, read_parts
 from ..convert.requantize import read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
@@ -374,7 +374,9 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
     pb = read_parts(b, sb, first, last, device=ex.device)
     same = sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa)
     out: list[Entry] = []
-    for piece in _decode_pieces(sa.shape, last - first):
+    _, rows, cols = sa.shape
+    for js, lo, hi in expert_pieces(range(last - first), rows, cols, DECODE_ELEMENTS):
+        piece = (js[0], js[-1] + 1, lo, hi)
         qa = _experts(pa, *piece)
         da = decode_stacked(sa.fmt, qa, torch.float32, name=sa.name, allow_nonfinite=True)
         if same:
@@ -385,18 +387,6 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
         del da
         out.append((sa.name, astuple(stats), None if stats.bit_exact_tensors else _bf16_decode(sa, qa, sb, qb)))
     return out
-
-
-def _decode_pieces(shape: tuple[int, int, int], experts: int) -> list[tuple[int, int, int, int]]:
-    """(first expert, last expert, first row, last row) of the pieces a slice of ``experts`` experts
-    of a stacked [E, rows, cols] weight is decoded in: whole experts while they fit
-    ``DECODE_ELEMENTS``, else one expert a block of rows at a time (at least one row)."""
-    _, rows, cols = shape
-    if rows * cols <= DECODE_ELEMENTS:
-        step = DECODE_ELEMENTS // (rows * cols)
-        return [(i, min(experts, i + step), 0, rows) for i in range(experts)[::step]]
-    block = max(1, DECODE_ELEMENTS // cols)
-    return [(i, i + 1, r, min(rows, r + block)) for i in range(experts) for r in range(0, rows, block)]
 
 
 def _experts(parts: dict[str, torch.Tensor], first: int, last: int, lo: int, hi: int) -> dict[str, torch.Tensor]:
