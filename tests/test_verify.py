@@ -252,3 +252,70 @@ def test_decode_pieces_cover_the_slice_once():
     assert pieces((8, 6, 3), 1, row_multiple=2) == [(0, 1, 0, 4), (0, 1, 4, 6)]
     assert pieces((8, 6, 20), 1, row_multiple=2) == [(0, 1, 0, 2), (0, 1, 2, 4), (0, 1, 4, 6)]
     assert expert_pieces([0, 2, 3], 2, 3, 14) == [([0, 2], 0, 2), ([3], 0, 2)]
+
+
+def _reference_stats(a: torch.Tensor, b: torch.Tensor, chunk: int) -> tuple:
+    """tensor_stats' figures in plain Python floats: per chunk, the float32 error, float64 squares
+    summed by the pairwise tree, pooled in chunk order; non-finite pairs left out of the sums."""
+    exact, signal, noise, max_abs = 0, 0.0, 0.0, 0.0
+    for i in range(0, a.numel(), chunk):
+        x, y = a[i:i + chunk].float(), b[i:i + chunk].float()
+        exact += int((x.view(torch.int32) == y.view(torch.int32)).sum())
+        e = (y - x).tolist()  # the error in float32, as the tool takes it
+        pairs = [(u, d) for u, v, d in zip(x.tolist(), y.tolist(), e) if math.isfinite(u) and math.isfinite(v)]
+        signal += _tree([u * u for u, _ in pairs])
+        noise += _tree([d * d for _, d in pairs])
+        max_abs = max([max_abs] + [abs(d) for _, d in pairs])
+        if len(pairs) < x.numel() and any(u != v and not (math.isnan(u) and math.isnan(v))
+                                          for u, v in zip(x.tolist(), y.tolist())
+                                          if not (math.isfinite(u) and math.isfinite(v))):
+            max_abs = math.inf
+    return exact, signal, noise, max_abs
+
+
+def _stats_cases() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for n in (1, 64, 200, 1000):
+        a = torch.randn(n, generator=g) * 10
+        b = a + torch.randn(n, generator=g) * 1e-2
+        out += [(a, b), (a, a.clone()), (a.bfloat16(), b.bfloat16())]
+        if n > 100:
+            c, d = a.clone(), b.clone()
+            c[5], d[5] = math.nan, math.nan  # NaN on both sides: equal bits, out of the sums
+            d[70] = math.inf  # a differing non-finite value: max error inf
+            c[150] = d[150] = -math.inf
+            out += [(c, d), (c, c.clone())]
+            z = a.clone()
+            z[:64] = -z[:64]  # one chunk wholly different, sign only
+            out.append((a, z))
+    return out
+
+
+def test_tensor_stats_equal_a_plain_python_reference(monkeypatch):
+    from inkling_ckpt.verify import compare as cmp
+
+    monkeypatch.setattr(cmp, "STATS_CHUNK", 64)  # many chunks, full and partial rows
+    for a, b in _stats_cases():
+        s = cmp.tensor_stats(a, b)
+        want = _reference_stats(a, b, 64)
+        assert (s.exact_elements, s.signal, s.noise, s.max_abs) == want, (a.numel(), a.dtype)
+        assert s.elements == a.numel() and s.bit_exact_tensors == int(want[0] == a.numel())
+        e = cmp.exact_stats(a)
+        assert (e.exact_elements, e.signal, e.noise, e.max_abs) == (a.numel(), *_reference_stats(a, a, 64)[1:3], 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensor_stats_same_bits_on_the_gpu(monkeypatch):
+    from dataclasses import astuple
+
+    from inkling_ckpt.verify import compare as cmp
+
+    for chunk in (64, cmp.STATS_CHUNK):
+        monkeypatch.setattr(cmp, "STATS_CHUNK", chunk)
+        big = torch.randn(3 * (1 << 20) + 5, generator=torch.Generator().manual_seed(4))
+        for a, b in _stats_cases() + [(big, big * (1 + 1e-3)), (big, big.clone())]:
+            cpu, gpu = cmp.tensor_stats(a, b), cmp.tensor_stats(a.cuda(), b.cuda())
+            assert str(astuple(cpu)) == str(astuple(gpu)), (chunk, a.numel())
+            assert str(astuple(cmp.exact_stats(a))) == str(astuple(cmp.exact_stats(a.cuda())))
