@@ -319,3 +319,21 @@ def test_tensor_stats_same_bits_on_the_gpu(monkeypatch):
             cpu, gpu = cmp.tensor_stats(a, b), cmp.tensor_stats(a.cuda(), b.cuda())
             assert str(astuple(cpu)) == str(astuple(gpu)), (chunk, a.numel())
             assert str(astuple(cmp.exact_stats(a))) == str(astuple(cmp.exact_stats(a.cuda())))
+
+
+def test_verify_takes_the_cpu_default_of_workers_on_a_gpu_too(monkeypatch):
+    """verify reads two slices per unit and copies its figures to the host even on a GPU: it asks
+    the executor for at most the CPU's default workers there (4 ran it 1.7x faster than 8 on an H200)."""
+    from inkling_ckpt.pipeline import executor as executor_mod
+    from inkling_ckpt.verify import compare as cmp
+
+    seen: list[int] = []
+    real = executor_mod.Executor
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("gpu_workers", executor_mod.MAX_DEFAULT_GPU_WORKERS))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cmp, "Executor", spy)
+    compare(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed", progress=False)
+    assert seen == [executor_mod.MAX_DEFAULT_WORKERS] and executor_mod.MAX_DEFAULT_WORKERS < executor_mod.MAX_DEFAULT_GPU_WORKERS

@@ -185,7 +185,7 @@ class Executor:
     def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None,
                  gpu_workers: int = MAX_DEFAULT_GPU_WORKERS):
         """``gpu_workers``: the most workers by default on a GPU, for a command whose units do most
-        of their work on the host even there (lora merge: copies, float linears, deltas)."""
+        of their work on the host even there (lora merge: copies, float linears, deltas; verify)."""
         steady_memory()  # every command that streams tensors: freed slices go back to the OS
         self.options = options or Options()
         self.desc = desc
