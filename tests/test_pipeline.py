@@ -251,6 +251,38 @@ def test_the_default_budget_holds_units_back_while_the_process_is_near_one_gib(m
     assert asked.stats.most_in_flight > 2 and asked.stats.rss_holds == 0
 
 
+def test_the_resident_size_check_gives_the_heaps_free_pages_back_before_holding_a_unit(monkeypatch):
+    """Blocks the workers freed between live ones keep their pages: before holding a unit back for the
+    process's size, the executor trims the heap (malloc_trim) and looks again."""
+    import inkling_ckpt.pipeline.executor as executor_mod
+
+    mib = 2**20
+    size = [300 * mib]
+    trims = [0]
+
+    def trim() -> bool:  # the heap gave 720 MiB of free pages back
+        trims[0] += 1
+        size[0] = 300 * mib
+        return True
+
+    monkeypatch.setattr(executor_mod, "resident_bytes", lambda: size[0])
+    monkeypatch.setattr(executor_mod, "trim_heap", trim)
+    units = [Unit(key=f"u{i}", write_bytes=10 * mib) for i in range(10)]
+    ex = Executor(Options(device="cpu", workers=4, progress=False))
+
+    def grow(u: Unit) -> str:
+        size[0] = 1020 * mib  # freed blocks left the process just under 1 GiB
+        time.sleep(0.01)
+        return u.key
+
+    assert [k for _, k in ex.map(units, grow)] == [u.key for u in units]
+    assert trims[0] > 0 and ex.stats.rss_holds == 0 and ex.stats.most_in_flight > 1
+    monkeypatch.setattr(executor_mod, "trim_heap", lambda: False)  # nothing to give back: held as before
+    held = Executor(Options(device="cpu", workers=4, progress=False))
+    assert [k for _, k in held.map(units, grow)] == [u.key for u in units]
+    assert held.stats.rss_holds > 0 and held.stats.most_in_flight == 1
+
+
 def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():
     units = [Unit(key="small", read_bytes=10), Unit(key="huge", read_bytes=10**9, hold_bytes=0), Unit(key="after")]
     ex = Executor(Options(device="cpu", workers=4, progress=False, memory_bytes=100))
@@ -309,6 +341,23 @@ def test_steady_memory_is_a_no_op_off_glibc(monkeypatch):
     assert memory._glibc() is None
     monkeypatch.setattr(memory, "_applied", False)
     memory.steady_memory()  # nothing to call, nothing raised
+    assert memory.trim_heap() is False
+
+
+def test_trimming_the_heap_gives_freed_pages_back_on_glibc():
+    """Freed blocks between live ones stay resident until malloc_trim: trim_heap returns them."""
+    from inkling_ckpt.pipeline import memory
+
+    if memory._glibc() is None:
+        pytest.skip("not glibc")
+    memory.steady_memory()
+    blocks = [torch.ones(1 << 18) for _ in range(64)]  # 1 MiB each: from the heap (below the mmap threshold)
+    keep = blocks[1::2]
+    del blocks  # every other block freed: 32 MiB of holes between live blocks
+    before = memory.resident_bytes()
+    assert memory.trim_heap() is True
+    assert memory.resident_bytes() < before
+    del keep
 
 
 def test_each_local_rank_takes_its_own_gpu(monkeypatch):

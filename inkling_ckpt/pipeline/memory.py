@@ -72,6 +72,14 @@ def steady_memory() -> None:
             libc.mallopt(M_ARENA_MAX, ARENA_MAX)
 
 
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``): those between blocks
+    in use too, which glibc's own trimming (the heap's top only) never returns. True when glibc
+    released any; False off glibc."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
+
+
 def resident_bytes() -> int:
     """This process's resident set now (Linux ``/proc/self/statm``; elsewhere its peak so far)."""
     try:
@@ -85,4 +93,4 @@ def resident_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
-__all__ = ["steady_memory", "resident_bytes"]
+__all__ = ["steady_memory", "resident_bytes", "trim_heap"]

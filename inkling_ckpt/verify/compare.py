@@ -178,13 +178,17 @@ GPU_ROWS = 4
 _local = threading.local()
 
 
-def _np_squares(x: np.ndarray) -> np.ndarray:
-    """float64 squares of a float32 row (exact), in this thread's reused buffer: a fresh 8 MiB block
-    per chunk would be mapped and faulted in each time (glibc's mmap threshold is 8 MiB)."""
-    buf = getattr(_local, "squares", None)
-    if buf is None or buf.shape[-1] < x.shape[-1]:
-        buf = _local.squares = np.empty((1, STATS_CHUNK), np.float64)
-    return np.square(x, dtype=np.float64, out=buf[:, :x.shape[-1]])
+def _np_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's reused row buffers (float64 squares, float32 error, equal-bits mask), ``n`` wide:
+    fresh blocks per chunk (8, 4 and 1 MiB) from several workers fragmented the one heap they share
+    (verify on the 2-core box held ~190 MiB free between live blocks at its peak)."""
+    bufs = getattr(_local, "rows", None)
+    if bufs is None:
+        bufs = _local.rows = (np.empty((1, STATS_CHUNK), np.float64), np.empty((1, STATS_CHUNK), np.float32),
+                              np.empty((1, STATS_CHUNK), np.bool_))
+    if bufs[0].shape[-1] < n:  # STATS_CHUNK changed (tests)
+        bufs = _local.rows = (np.empty((1, n), np.float64), np.empty((1, n), np.float32), np.empty((1, n), np.bool_))
+    return bufs[0][:, :n], bufs[1][:, :n], bufs[2][:, :n]
 
 
 def _np_add(dst: np.ndarray, src: np.ndarray) -> None:
@@ -226,13 +230,14 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _np_row(x: np.ndarray, y: np.ndarray | None) -> tuple[int, float, float, float]:
-    sa = float(_pairwise(_np_squares(x), _np_add)[0])
+    sq, e, same = _np_buffers(x.shape[-1])
+    sa = float(_pairwise(np.square(x, dtype=np.float64, out=sq), _np_add)[0])  # widened, then squared: exact
     if y is None:
         return x.shape[1], sa, 0.0, 0.0
-    same = int(np.count_nonzero(x.view(np.int32) == y.view(np.int32)))
-    e = y - x
+    n_same = int(np.count_nonzero(np.equal(x.view(np.int32), y.view(np.int32), out=same)))
+    np.subtract(y, x, out=e)
     mx = float(max(e.max(), -e.min())) if e.size else 0.0
-    return same, sa, float(_pairwise(_np_squares(e), _np_add)[0]), mx
+    return n_same, sa, float(_pairwise(np.square(e, dtype=np.float64, out=sq), _np_add)[0]), mx
 
 
 def _chunks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -357,10 +362,11 @@ DECODE_ELEMENTS = 1 << 22
 #: Host bytes a unit's comparison holds on the CPU beside what it reads: a piece decoded to float32
 #: per side (``DECODE_ELEMENTS`` each) and the statistics' temporaries (per ``STATS_CHUNK``
 #: elements: the reused float64 squares, the float32 error, a BF16 tensor's chunks widened to
-#: float32, the equal-bits mask): one worker's units peaked up to 47 MiB over what they read.
-#: Uncharged, four workers took a node-sized process (a CUDA build's ~500 MiB at the start) to
-#: 1.24-1.33 GiB on the 2-core box.
-COMPARE_WORKSPACE_BYTES = 2 * DECODE_ELEMENTS * 4 + 21 * STATS_CHUNK
+#: float32, the equal-bits mask): one worker's units peaked up to 47 MiB over what they read. And
+#: half that again for the blocks the workers free between each other's in their one heap: four
+#: workers in a node-sized process (~500 MiB at the start, 2-core box, 2-layer wide fixture) peaked
+#: at 1040-1136 MiB charged the first part alone, 962-991 MiB (and no slower) charged this.
+COMPARE_WORKSPACE_BYTES = (2 * DECODE_ELEMENTS * 4 + 21 * STATS_CHUNK) * 3 // 2
 
 
 def _narrowed(wide: torch.Tensor, narrow: torch.Tensor) -> bool:
