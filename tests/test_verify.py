@@ -337,3 +337,35 @@ def test_verify_takes_the_cpu_default_of_workers_on_a_gpu_too(monkeypatch):
     monkeypatch.setattr(cmp, "Executor", spy)
     compare(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed", progress=False)
     assert seen == [executor_mod.MAX_DEFAULT_WORKERS] and executor_mod.MAX_DEFAULT_WORKERS < executor_mod.MAX_DEFAULT_GPU_WORKERS
+
+
+def test_reading_a_piece_at_a_time_gives_the_same_report(monkeypatch):
+    """Where both sides read rows inside an expert (HF folders) each decode piece reads only its own
+    bytes; the report is the one the whole-slice reads give, the pieces cut by rows included."""
+    from inkling_ckpt.convert import experts as ex_mod
+    from inkling_ckpt.layouts.hf import HFCheckpoint
+    from inkling_ckpt.verify import compare as cmp
+
+    ck = HFCheckpoint.open(FIXTURES / "tiny-mixed")
+    for name in (n for n in ck.tensors if n.endswith("experts.w13_weight") or n.endswith("w13_weight_scale")):
+        whole = ck.read_rows(name, 1, 2)
+        assert torch.equal(ck.read_expert_rows(name, 1, 3, 7).view(torch.uint8), whole[:, 3:7].view(torch.uint8))
+    monkeypatch.setattr(cmp, "DECODE_ELEMENTS", 4096)  # the tiny experts go by blocks of rows
+    reads: list[tuple[int, int]] = []
+    real = HFCheckpoint.read_expert_rows
+
+    def spy(self, name, expert, start, stop, **kw):  # type: ignore[no-untyped-def]
+        reads.append((start, stop))
+        return real(self, name, expert, start, stop, **kw)
+
+    monkeypatch.setattr(HFCheckpoint, "read_expert_rows", spy)
+    for pair in (("tiny-bf16", "tiny-mixed"), ("tiny-mixed", "tiny-mxfp8"), ("tiny-mixed", "tiny-mixed")):
+        a, b = (FIXTURES / p for p in pair)
+        reads.clear()
+        pieces = _run_free(build_report(compare(a, b, progress=False)))
+        assert reads and any(lo > 0 for lo, _ in reads), pair  # rows inside experts were read
+        with monkeypatch.context() as m:
+            m.setattr(cmp, "reads_pieces", lambda src: False)
+            whole = _run_free(build_report(compare(a, b, progress=False)))
+        assert pieces == whole, pair
+    assert ex_mod.reads_pieces(ck) and not ex_mod.reads_pieces(object())

@@ -52,6 +52,35 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
     return out  # type: ignore[return-value]
 
 
+def reads_pieces(src: Any) -> bool:
+    """Whether ``src`` reads rows inside one expert (:func:`read_piece` then reads only a piece's bytes)."""
+    return callable(getattr(src, "read_expert_rows", None))
+
+
+def read_piece(src: ScaleSource, stack: ExpertStack, experts: Sequence[int], lo: int, hi: int, *,
+               device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """The stored parts of one :func:`expert_pieces` piece: experts ``experts`` (consecutive) whole,
+    or rows ``lo:hi`` of the one expert, from a source that :func:`reads_pieces`. Weight and block
+    scales by experts and rows; a per-expert part by experts; a scalar whole."""
+    first, last = experts[0], experts[-1] + 1
+    rows = stack.shape[1]
+    if lo == 0 and hi == rows:
+        return read_parts(src, stack, first, last, device=device)
+    dev = off_host(device)
+    onto: Any = src
+    kw = {"device": dev} if dev is not None and getattr(src, "reads_to_device", False) else {}
+    out = {}
+    for spec in stack.parts():
+        if spec.shape == ():
+            t = onto.get(spec.name, **kw)
+        elif len(spec.shape) >= 2 and spec.shape[1] == rows:  # weight, block scales: the piece's rows
+            t = onto.read_expert_rows(spec.name, first, lo, hi, **kw)
+        else:  # one factor per expert
+            t = onto.read_rows(spec.name, first, last, **kw)
+        out[spec.part] = t if dev is None or kw else t.to(dev)
+    return out
+
+
 def expert_pieces(experts: Sequence[int], rows: int, cols: int, elems: int,
                   row_multiple: int = 1) -> list[tuple[list[int], int, int]]:
     """``(experts, first row, last row)``: the pieces of about ``elems`` elements in which
@@ -193,4 +222,5 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
 
 
 __all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "expert_pieces", "read_parts",
+           "read_piece", "reads_pieces",
            "reuse_unchanged_blocks"]

@@ -185,6 +185,23 @@ class HFCheckpoint:
         shape = (stop - start, *st.shape[1:]) if st.shape else ()
         return buf.view(st.dtype).reshape(shape)
 
+    def read_expert_rows(self, name: str, expert: int, start: int, stop: int, *,
+                         device: torch.device | str | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` (along dim 1) of one expert of a stacked ``[E, rows, ...]`` tensor, as
+        ``[1, stop - start, ...]``, reading only their bytes (contiguous on disk; onto ``device``)."""
+        st = self.tensors[name]
+        if len(st.shape) < 2:
+            raise CheckpointError(f"{self.root}: {name} has no rows inside an expert (shape {list(st.shape)})")
+        row = st.nbytes // (st.shape[0] * st.shape[1]) if st.shape[0] and st.shape[1] else 0
+        path = self.root / st.file
+        try:
+            with open_regular(path, buffering=0) as f:
+                buf = read_exact(f.fileno(), st.offset + (expert * st.shape[1] + start) * row, (stop - start) * row,
+                                 f"{path}: truncated while reading {name}", device=device)
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
+        return buf.view(st.dtype).reshape(1, stop - start, *st.shape[2:])
+
     def get_slice(self, name: str):
         """A lazy slice handle (``[a:b]`` reads only those rows)."""
         st = self.tensors[name]
