@@ -23,7 +23,8 @@ or the number of torchrun ranks.
 
 It runs on the shared executor (:mod:`inkling_ckpt.pipeline`): units planned from both sides'
 headers (non-expert tensors batched or cut by rows, experts a slice at a time; ``--slice-mb`` is
-what one unit reads of both sides together), each read, decoded and compared on the executor's
+what one unit reads of both sides together; between two HF folders a slice is read a decode piece
+at a time), each read, decoded and compared on the executor's
 device, ``--workers`` at once, the results pooled in plan order. Under torchrun the ranks split
 the units and gather the results; every rank ends with the same report, rank 0 prints it.
 
