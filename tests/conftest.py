@@ -72,3 +72,19 @@ def subprocess_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def executor_gpu_workers(monkeypatch: pytest.MonkeyPatch, module: ModuleType) -> list[int]:
+    """The ``gpu_workers`` each Executor that ``module`` creates asks for (the GPU default when it
+    names none), recorded as the command runs."""
+    from inkling_ckpt.pipeline import executor as executor_mod
+
+    seen: list[int] = []
+    real = executor_mod.Executor
+
+    def spy(*args, **kw):  # type: ignore[no-untyped-def]
+        seen.append(kw.get("gpu_workers", executor_mod.MAX_DEFAULT_GPU_WORKERS))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, "Executor", spy)
+    return seen

@@ -858,16 +858,9 @@ def test_merge_takes_the_cpu_default_of_workers_on_a_gpu_too(work, base_mixed, a
     deltas): it asks the executor for at most the CPU's default workers there, not the GPU's."""
     import importlib
 
+    from conftest import executor_gpu_workers
     from inkling_ckpt.pipeline import executor as executor_mod
 
-    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
-    seen: list[int] = []
-    real = executor_mod.Executor
-
-    def spy(*args, **kw):  # type: ignore[no-untyped-def]
-        seen.append(kw.get("gpu_workers", executor_mod.MAX_DEFAULT_GPU_WORKERS))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(merge_mod, "Executor", spy)
+    seen = executor_gpu_workers(monkeypatch, importlib.import_module("inkling_ckpt.lora.merge"))
     merge(base_mixed, ad_random, work / "gpu-workers", progress=False)
     assert seen == [executor_mod.MAX_DEFAULT_WORKERS] and executor_mod.MAX_DEFAULT_WORKERS < executor_mod.MAX_DEFAULT_GPU_WORKERS

@@ -324,17 +324,11 @@ def test_tensor_stats_same_bits_on_the_gpu(monkeypatch):
 def test_verify_takes_the_cpu_default_of_workers_on_a_gpu_too(monkeypatch):
     """verify reads two slices per unit and copies its figures to the host even on a GPU: it asks
     the executor for at most the CPU's default workers there (4 ran it 1.7x faster than 8 on an H200)."""
+    from conftest import executor_gpu_workers
     from inkling_ckpt.pipeline import executor as executor_mod
     from inkling_ckpt.verify import compare as cmp
 
-    seen: list[int] = []
-    real = executor_mod.Executor
-
-    def spy(*args, **kw):  # type: ignore[no-untyped-def]
-        seen.append(kw.get("gpu_workers", executor_mod.MAX_DEFAULT_GPU_WORKERS))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(cmp, "Executor", spy)
+    seen = executor_gpu_workers(monkeypatch, cmp)
     compare(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed", progress=False)
     assert seen == [executor_mod.MAX_DEFAULT_WORKERS] and executor_mod.MAX_DEFAULT_WORKERS < executor_mod.MAX_DEFAULT_GPU_WORKERS
 
