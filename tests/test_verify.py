@@ -262,12 +262,12 @@ def _reference_stats(a: torch.Tensor, b: torch.Tensor, chunk: int) -> tuple:
         x, y = a[i:i + chunk].float(), b[i:i + chunk].float()
         exact += int((x.view(torch.int32) == y.view(torch.int32)).sum())
         e = (y - x).tolist()  # the error in float32, as the tool takes it
-        pairs = [(u, d) for u, v, d in zip(x.tolist(), y.tolist(), e) if math.isfinite(u) and math.isfinite(v)]
+        pairs = [(u, d) for u, v, d in zip(x.tolist(), y.tolist(), e, strict=True) if math.isfinite(u) and math.isfinite(v)]
         signal += _tree([u * u for u, _ in pairs])
         noise += _tree([d * d for _, d in pairs])
         max_abs = max([max_abs] + [abs(d) for _, d in pairs])
         if len(pairs) < x.numel() and any(u != v and not (math.isnan(u) and math.isnan(v))
-                                          for u, v in zip(x.tolist(), y.tolist())
+                                          for u, v in zip(x.tolist(), y.tolist(), strict=True)
                                           if not (math.isfinite(u) and math.isfinite(v))):
             max_abs = math.inf
     return exact, signal, noise, max_abs
