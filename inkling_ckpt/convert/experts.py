@@ -9,7 +9,7 @@ of every block whose values are unchanged, so an untouched weight comes back byt
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Protocol, Sequence
+from typing import Any, Literal, Mapping, Protocol, Sequence, cast
 
 import torch
 
@@ -69,7 +69,7 @@ def read_piece(src: ScaleSource, stack: ExpertStack, experts: Sequence[int], lo:
     dev = off_host(device)
     onto: Any = src
     kw = {"device": dev} if dev is not None and getattr(src, "reads_to_device", False) else {}
-    out = {}
+    out: dict[str, torch.Tensor] = {}
     for spec in stack.parts():
         if spec.shape == ():
             t = onto.get(spec.name, **kw)
@@ -77,7 +77,7 @@ def read_piece(src: ScaleSource, stack: ExpertStack, experts: Sequence[int], lo:
             t = onto.read_expert_rows(spec.name, first, lo, hi, **kw)
         else:  # one factor per expert
             t = onto.read_rows(spec.name, first, last, **kw)
-        out[spec.part] = t if dev is None or kw else t.to(dev)
+        out[cast(str, spec.part)] = t if dev is None or kw else t.to(dev)  # a stacked part always has its suffix
     return out
 
 
