@@ -363,3 +363,30 @@ def test_reading_a_piece_at_a_time_gives_the_same_report(monkeypatch):
             whole = _run_free(build_report(compare(a, b, progress=False)))
         assert pieces == whole, pair
     assert ex_mod.reads_pieces(ck) and not ex_mod.reads_pieces(object())
+
+
+def test_a_unit_is_charged_its_largest_piece_where_pieces_are_read(monkeypatch):
+    """Reading a piece at a time, an expert unit holds its largest piece's share of what it reads (plus
+    the comparison's workspace on the CPU), not the whole slice; other layouts are charged the slice."""
+    from inkling_ckpt.pipeline import expert_slice
+    from inkling_ckpt.verify import compare as cmp
+
+    monkeypatch.setattr(cmp, "DECODE_ELEMENTS", 4096)  # the tiny experts go by blocks of rows
+    a, b = cmp.open_pair(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed")
+    pieces = cmp.plan_units(a, b, 1 << 20)
+    with monkeypatch.context() as m:
+        m.setattr(cmp, "reads_pieces", lambda src: False)
+        whole = cmp.plan_units(a, b, 1 << 20)
+    assert [u.key for u in pieces] == [u.key for u in whole]
+    experts = 0
+    for p, w in zip(pieces, whole, strict=True):
+        assert w.hold_bytes == w.read_bytes + cmp.COMPARE_WORKSPACE_BYTES
+        if expert_slice(p) is None:
+            assert p.hold_bytes == w.hold_bytes
+            continue
+        experts += 1
+        st, first, last = expert_slice(p)
+        _, rows, cols = st.shape
+        share = -(-p.read_bytes * (4096 // cols) // ((last - first) * rows))  # one block of 4096 // cols rows
+        assert p.hold_bytes == share + cmp.COMPARE_WORKSPACE_BYTES < w.hold_bytes
+    assert experts
