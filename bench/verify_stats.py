@@ -66,25 +66,29 @@ def main() -> None:
     b = [x + 1e-2 * torch.randn(args.elements, generator=g) for x in a]
     print(f"{args.elements} float32 elements a piece; Melem/s over all workers (x the copy rate)")
     for code in [ROOT, *map(Path, args.code)]:
-        cmp = load(code.resolve())
-        for w in args.workers:
-            copy = rate(lambda i: a[i].clone(), w, args.elements, args.reps)
-            full = rate(lambda i: cmp.tensor_stats(a[i], b[i]), w, args.elements, args.reps)
-            same = rate(lambda i: cmp.exact_stats(a[i]), w, args.elements, args.reps)
-            print(f"  {code.name:12s} cpu x{w}: copy {copy:7.0f}  tensor_stats {full:6.0f} ({full / copy:.2f}x)  "
-                  f"exact_stats {same:6.0f} ({same / copy:.2f}x)", flush=True)
-        if torch.cuda.is_available():
-            ga, gb = a[0].cuda(), b[0].cuda()
+        run(load(code.resolve()), code.name, a, b, args)
 
-            def synced(fn: Callable[[], Any]) -> Callable[[int], Any]:
-                return lambda i: (fn(), torch.cuda.synchronize())
 
-            copy = rate(synced(ga.clone), 1, args.elements, args.reps)
-            full = rate(synced(lambda: cmp.tensor_stats(ga, gb)), 1, args.elements, args.reps)
-            same = rate(synced(lambda: cmp.exact_stats(ga)), 1, args.elements, args.reps)
-            print(f"  {code.name:12s} cuda x1: copy {copy:7.0f}  tensor_stats {full:6.0f} ({full / copy:.3f}x)  "
-                  f"exact_stats {same:6.0f} ({same / copy:.3f}x)", flush=True)
+def run(cmp: Any, label: str, a: list[torch.Tensor], b: list[torch.Tensor], args: argparse.Namespace) -> None:
+    """The rows of one checkout's ``compare`` module."""
+    for w in args.workers:
+        copy = rate(lambda i: a[i].clone(), w, args.elements, args.reps)
+        full = rate(lambda i: cmp.tensor_stats(a[i], b[i]), w, args.elements, args.reps)
+        same = rate(lambda i: cmp.exact_stats(a[i]), w, args.elements, args.reps)
+        print(f"  {label:12s} cpu x{w}: copy {copy:7.0f}  tensor_stats {full:6.0f} ({full / copy:.2f}x)  "
+              f"exact_stats {same:6.0f} ({same / copy:.2f}x)", flush=True)
+    if not torch.cuda.is_available():
+        return
+    ga, gb = a[0].cuda(), b[0].cuda()
 
+    def synced(fn: Callable[[], Any]) -> Callable[[int], Any]:
+        return lambda i: (fn(), torch.cuda.synchronize())
+
+    copy = rate(synced(ga.clone), 1, args.elements, args.reps)
+    full = rate(synced(lambda: cmp.tensor_stats(ga, gb)), 1, args.elements, args.reps)
+    same = rate(synced(lambda: cmp.exact_stats(ga)), 1, args.elements, args.reps)
+    print(f"  {label:12s} cuda x1: copy {copy:7.0f}  tensor_stats {full:6.0f} ({full / copy:.3f}x)  "
+          f"exact_stats {same:6.0f} ({same / copy:.3f}x)", flush=True)
 
 if __name__ == "__main__":
     main()
