@@ -34,51 +34,36 @@ class ScaleSource(Protocol):
 
 
 def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
+               rows: tuple[int, int] | None = None,
                device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """The stored parts of experts ``first:last`` of one stacked weight (scalars read whole), on
     ``device`` (default the CPU). A source with ``reads_to_device`` reads them straight onto a GPU
-    (through small pinned buffers: no host copy of the slice); any other is read, then copied."""
+    (through small pinned buffers: no host copy of the slice); any other is read, then copied.
+
+    ``rows`` ``(lo, hi)``: only those rows of the one expert ``first`` (an :func:`expert_pieces`
+    piece), from a source that :func:`reads_pieces`: weight and block scales by rows, a per-expert
+    part by expert."""
     dev = off_host(device)
     direct = dev is not None and getattr(src, "reads_to_device", False)
     onto: Any = src  # a source with reads_to_device takes device= (ScaleSource does not promise it)
-    out = {}
-    for spec in stack.parts():
-        if direct:
-            t = onto.get(spec.name, device=dev) if spec.shape == () else onto.read_rows(spec.name, first, last, device=dev)
-        else:
-            t = src.get(spec.name) if spec.shape == () else src.read_rows(spec.name, first, last)
-            t = t if dev is None else t.to(dev)
-        out[spec.part] = t
-    return out  # type: ignore[return-value]
-
-
-def reads_pieces(src: Any) -> bool:
-    """Whether ``src`` reads rows inside one expert (:func:`read_piece` then reads only a piece's bytes)."""
-    return callable(getattr(src, "read_expert_rows", None))
-
-
-def read_piece(src: ScaleSource, stack: ExpertStack, experts: Sequence[int], lo: int, hi: int, *,
-               device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """The stored parts of one :func:`expert_pieces` piece: experts ``experts`` (consecutive) whole,
-    or rows ``lo:hi`` of the one expert, from a source that :func:`reads_pieces`. Weight and block
-    scales by experts and rows; a per-expert part by experts; a scalar whole."""
-    first, last = experts[0], experts[-1] + 1
-    rows = stack.shape[1]
-    if lo == 0 and hi == rows:
-        return read_parts(src, stack, first, last, device=device)
-    dev = off_host(device)
-    onto: Any = src
-    kw = {"device": dev} if dev is not None and getattr(src, "reads_to_device", False) else {}
+    kw = {"device": dev} if direct else {}
+    lo, hi = rows if rows is not None else (0, stack.shape[1])
+    inner = (lo, hi) != (0, stack.shape[1])
     out: dict[str, torch.Tensor] = {}
     for spec in stack.parts():
         if spec.shape == ():
             t = onto.get(spec.name, **kw)
-        elif len(spec.shape) >= 2 and spec.shape[1] == rows:  # weight, block scales: the piece's rows
+        elif inner and len(spec.shape) >= 2 and spec.shape[1] == stack.shape[1]:
             t = onto.read_expert_rows(spec.name, first, lo, hi, **kw)
-        else:  # one factor per expert
+        else:
             t = onto.read_rows(spec.name, first, last, **kw)
-        out[cast(str, spec.part)] = t if dev is None or kw else t.to(dev)  # a stacked part always has its suffix
+        out[cast(str, spec.part)] = t if dev is None or direct else t.to(dev)  # a stacked part always has its suffix
     return out
+
+
+def reads_pieces(src: Any) -> bool:
+    """Whether ``src`` reads rows inside one expert (``read_parts(..., rows=)`` then reads only a piece's bytes)."""
+    return callable(getattr(src, "read_expert_rows", None))
 
 
 def expert_pieces(experts: Sequence[int], rows: int, cols: int, elems: int,
@@ -222,5 +207,5 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
 
 
 __all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "expert_pieces", "read_parts",
-           "read_piece", "reads_pieces",
+           "reads_pieces",
            "reuse_unchanged_blocks"]

@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import expert_pieces, read_parts, read_piece, reads_pieces
+from ..convert.experts import expert_pieces, read_parts, reads_pieces
 from ..convert.requantize import read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
@@ -473,8 +473,8 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
     cut = expert_pieces(range(first, last), rows, cols, DECODE_ELEMENTS)
     if reads_pieces(a) and reads_pieces(b):
         def piece(js: list[int], lo: int, hi: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bool]:
-            qa = read_piece(a, sa, js, lo, hi, device=ex.device)
-            qb = read_piece(b, sb, js, lo, hi, device=ex.device)
+            qa = read_parts(a, sa, js[0], js[-1] + 1, rows=(lo, hi), device=ex.device)
+            qb = read_parts(b, sb, js[0], js[-1] + 1, rows=(lo, hi), device=ex.device)
             return qa, qb, sa.fmt == sb.fmt and all(_same_bytes(qa[k], qb[k]) for k in qa)
     else:
         pa = read_parts(a, sa, first, last, device=ex.device)
