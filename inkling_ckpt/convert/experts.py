@@ -15,7 +15,7 @@ import torch
 
 from ..errors import PlanError
 from ..formats import get_format
-from ..formats.stacked import AMAX, SCALE, UNQUANTIZED, WEIGHT, decode_stacked, encode_stacked, natural_dtype
+from ..formats.stacked import AMAX, DENOM, SCALE, UNQUANTIZED, WEIGHT, decode_stacked, encode_stacked, natural_dtype
 from ..layouts.pread import off_host
 from ..model.inventory import ExpertStack
 from ..model.precision import PrecisionPlan
@@ -79,6 +79,31 @@ def expert_pieces(experts: Sequence[int], rows: int, cols: int, elems: int,
         return [(experts[i:i + step], 0, rows) for i in range(0, len(experts), step)]
     block = max(row_multiple, elems // cols // row_multiple * row_multiple)
     return [([e], r, min(rows, r + block)) for e in experts for r in range(0, rows, block)]
+
+
+def expert_index(experts: Sequence[int]) -> slice | torch.Tensor:
+    """Experts ``experts`` (indices into a slice) as an index: a slice when they are consecutive (a view)."""
+    experts = list(experts)
+    if experts == list(range(experts[0], experts[-1] + 1)):
+        return slice(experts[0], experts[-1] + 1)
+    return torch.tensor(experts)
+
+
+def cut_piece(parts: Mapping[str, torch.Tensor], experts: Sequence[int], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    """Rows ``lo:hi`` of experts ``experts`` (indices into the slice) of a slice's stored parts - an
+    :func:`expert_pieces` piece, views where the experts are consecutive: weight and block scales by
+    experts and rows, a per-expert part (NVFP4 amax) by experts, a scalar (or a one-element
+    denominator) whole."""
+    idx = expert_index(experts)
+    out = {}
+    for s, t in parts.items():
+        if t.dim() == 0 or (s == DENOM and t.numel() == 1):
+            out[s] = t
+        elif t.dim() == 1:
+            out[s] = t[idx]
+        else:
+            out[s] = t[idx, lo:hi]
+    return out
 
 
 def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
@@ -206,6 +231,7 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
     return out
 
 
-__all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "decode_slice", "expert_pieces", "read_parts",
+__all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "cut_piece", "decode_slice", "expert_index",
+           "expert_pieces", "read_parts",
            "reads_pieces",
            "reuse_unchanged_blocks"]

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..convert.experts import expert_pieces, read_parts
+from ..convert.experts import cut_piece, expert_index, expert_pieces, read_parts
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
@@ -473,7 +473,7 @@ class _Merger:
                 got.unchanged += 1
         measured: dict[int, list[float]] = {j: [0.0, 0.0] for j in live}
         for js, r0, r1 in _pieces(list(live), rows, cols):
-            piece = _piece(parts, js, r0, r1)
+            piece = {k: t.contiguous() for k, t in cut_piece(parts, js, r0, r1).items()}
             x = _decode(fmt, piece, u.base)
             # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3); a
             # piece starts on an even row, so its gate rows are B's rows r0/2:r1/2
@@ -515,30 +515,9 @@ def _piece_elems(n: int, rows: int, cols: int) -> int:
     return max(len(js) * (r1 - r0) * cols for js, r0, r1 in _pieces(list(range(max(1, n))), rows, cols))
 
 
-def _index(js: list[int]) -> slice | torch.Tensor:
-    """Experts ``js`` as an index: a slice when they are consecutive (a view, no copy)."""
-    if js == list(range(js[0], js[-1] + 1)):
-        return slice(js[0], js[-1] + 1)
-    return torch.tensor(js)
-
-
-def _piece(parts: dict[str, torch.Tensor], js: list[int], r0: int, r1: int) -> dict[str, torch.Tensor]:
-    """Rows ``r0:r1`` of experts ``js`` of a slice's parts ([E] per-expert parts by expert, scalars whole)."""
-    idx = _index(js)
-    out = {}
-    for s, t in parts.items():
-        if t.dim() == 0 or (s == DENOM and t.numel() == 1):
-            out[s] = t
-        elif t.dim() == 1:
-            out[s] = t[idx]
-        else:
-            out[s] = t[idx][:, r0:r1].contiguous()
-    return out
-
-
 def _put(t: torch.Tensor, js: list[int], r0: int, r1: int, value: torch.Tensor) -> None:
     """Write ``value`` over rows ``r0:r1`` of experts ``js`` of the stored part ``t`` (in place)."""
-    t[_index(js), r0:r1] = value
+    t[expert_index(js), r0:r1] = value
 
 
 def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int,

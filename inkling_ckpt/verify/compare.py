@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import expert_pieces, read_parts, reads_pieces
+from ..convert.experts import cut_piece, expert_pieces, read_parts, reads_pieces
 from ..convert.requantize import read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
@@ -482,8 +482,8 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
         same = sa.fmt == sb.fmt and all(_same_bytes(pa[k], pb[k]) for k in pa)
 
         def piece(js: list[int], lo: int, hi: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], bool]:
-            at = (js[0] - first, js[-1] + 1 - first, lo, hi)
-            return _experts(pa, *at), _experts(pb, *at), same
+            at = [j - first for j in js]
+            return cut_piece(pa, at, lo, hi), cut_piece(pb, at, lo, hi), same
     out: list[Entry] = []
     for js, lo, hi in cut:
         qa, qb, same_piece = piece(js, lo, hi)
@@ -495,12 +495,6 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
         del da
         out.append((sa.name, astuple(stats), None if stats.bit_exact_tensors else _bf16_decode(sa, qa, sb, qb)))
     return out
-
-
-def _experts(parts: dict[str, torch.Tensor], first: int, last: int, lo: int, hi: int) -> dict[str, torch.Tensor]:
-    """Experts ``first:last``, rows ``lo:hi`` of a slice's parts (views): weight and block scales by
-    experts and rows, a per-expert part (NVFP4 amax) by experts, a scalar shared by every expert."""
-    return {k: v[first:last, lo:hi] if v.dim() >= 2 else v[first:last] if v.dim() else v for k, v in parts.items()}
 
 
 def unpaired(a: Any, b: Any) -> tuple[list[str], list[str]]:
