@@ -306,13 +306,14 @@ class Executor:
             return sum(c for _, c, _, _, begun in pending if not begun[0])
 
         def fits(c: int) -> bool:
-            if resident_bytes() + not_begun() + c <= self.peak_rss_bytes:
+            room = self.peak_rss_bytes - not_begun() - c
+            if resident_bytes() <= room:
                 return True
             # Blocks freed between live ones keep their pages (one heap for all the workers: verify's
             # held ~190 MiB free at its peak on the 2-core box); give them back, then look again.
-            # verify, 4 workers, node-sized process: 1043-1084 MiB peak, held 80-128 times without
-            # this; 962-991 MiB, never held, with it (same time).
-            return trim_heap() and resident_bytes() + not_begun() + c <= self.peak_rss_bytes
+            # verify (its larger charge either way), 4 workers, node-sized process: 1043-1084 MiB peak,
+            # held 80-128 times, without this; 962-991 MiB, never held, with it (same time).
+            return trim_heap() and resident_bytes() <= room
 
         def start(u: Any, begun: list[bool]) -> T:
             begun[0] = True

@@ -181,8 +181,9 @@ _local = threading.local()
 
 def _np_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This thread's reused row buffers (float64 squares, float32 error, equal-bits mask), ``n`` wide:
-    fresh blocks per chunk (8, 4 and 1 MiB) from several workers fragmented the one heap they share
-    (verify on the 2-core box held ~190 MiB free between live blocks at its peak)."""
+    no fresh blocks per chunk (8, 4 and 1 MiB; the 8 MiB one at glibc's mmap threshold, mapped and
+    faulted in anew each time). Reusing them did not shrink the heap's free space at verify's peak
+    (the trim in the executor's resident-size check does that)."""
     bufs = getattr(_local, "rows", None)
     if bufs is None:
         bufs = _local.rows = (np.empty((1, STATS_CHUNK), np.float64), np.empty((1, STATS_CHUNK), np.float32),
