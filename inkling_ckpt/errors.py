@@ -55,6 +55,14 @@ class AdapterError(CheckpointError):
     its pair, ranks that disagree, a shared factor that differs across experts, wrong shapes."""
 
 
+class RankLostError(InklingError):
+    """Another rank stopped (crashed, killed, unreachable) while this one waited for it in a step
+    the ranks take together. Nothing is published; unlike bad input, the staging folder is kept
+    (``keeps_staging``), so rerunning the same command resumes what the ranks had finished."""
+
+    keeps_staging = True
+
+
 class DeviceError(InklingError):
     """The requested device cannot run the job: no usable GPU for ``--device cuda``, or the GPU or
     the host ran out of memory (the message names the option that shrinks what is in flight)."""

@@ -1,10 +1,12 @@
 """Runs several inkling-ckpt commands in one torchrun launch (one process-group start for all).
 
-Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K] [--dense-chunk-bytes B]
-       [--keep-going]
+Usage: torchrun --nproc_per_node N tests/_ranks_driver.py JOBS.json [--die-after K] [--die-in-step DIR]
+       [--dense-chunk-bytes B] [--keep-going]
 
 JOBS.json: a list of argument lists, run in order through the CLI. ``--die-after K``: rank 1
-exits hard (``os._exit``) after writing K units, as a crashed rank would. ``--dense-chunk-bytes B``:
+exits hard (``os._exit``) after writing K units, as a crashed rank would. ``--die-in-step DIR``: rank 1
+exits hard once its share is written, while rank 0 waits for it in the step the ranks take together
+after writing (rank 0 leaves a file in DIR as it goes in). ``--dense-chunk-bytes B``:
 torch_dist outputs store non-expert tensors over B bytes in row ranges (``model.mapping.DENSE_CHUNK_BYTES``,
 so the tiny fixtures exercise the layout of the real embeddings). ``--keep-going``: run every job
 even after one fails. Rank 0 prints each job's exit code and, for every job, its report as JSON
@@ -33,6 +35,31 @@ def _die_after(k: int) -> None:
             os._exit(3)
 
     executor.Executor.note_done = note_done  # type: ignore[method-assign]
+
+
+def _die_in_step(folder: str) -> None:
+    import time
+
+    from inkling_ckpt.layouts import megatron_dcp
+    from inkling_ckpt.pipeline import publish
+
+    waiting = os.path.join(folder, "rank0-waiting")
+
+    def first_step(step):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if int(os.environ["RANK"]) == 0:
+                open(waiting, "w").close()
+            else:
+                while not os.path.exists(waiting):
+                    time.sleep(0.02)
+                time.sleep(0.2)  # rank 0 is inside the collective by now
+                os._exit(3)
+            return step(*args, **kwargs)
+        return run
+
+    # After writing: the pipeline's own step (HF outputs), or DCP's (hf-to-megatron's .metadata).
+    publish.all_ok = first_step(publish.all_ok)
+    megatron_dcp.save_metadata = first_step(megatron_dcp.save_metadata)
 
 
 def _capture_results() -> list:
@@ -65,6 +92,8 @@ if __name__ == "__main__":
     jobs = json.loads(open(sys.argv[1]).read())
     if "--die-after" in sys.argv:
         _die_after(int(sys.argv[sys.argv.index("--die-after") + 1]))
+    if "--die-in-step" in sys.argv:
+        _die_in_step(sys.argv[sys.argv.index("--die-in-step") + 1])
     if "--dense-chunk-bytes" in sys.argv:
         from inkling_ckpt.model import mapping
 

@@ -292,6 +292,33 @@ def test_a_unit_bigger_than_the_memory_budget_still_runs_alone():
     assert Unit(key="x", read_bytes=5, write_bytes=7, hold_bytes=30).memory == 30  # a command's own estimate wins
 
 
+def test_a_collective_that_loses_a_rank_is_a_rank_lost_error_and_a_rank_s_own_error_comes_first(monkeypatch, tmp_path):
+    from inkling_ckpt.errors import CheckpointError, RankLostError
+    from inkling_ckpt.layouts.staging import Staging
+    from inkling_ckpt.pipeline import world as world_mod
+
+    def closed(*a, **k):
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234. This is typically caused by ...")
+
+    monkeypatch.setattr(world_mod.dist, "all_gather_object", closed)
+    two = world_mod.World(rank=1, size=2)
+    with pytest.raises(RankLostError, match=r"rank 1 lost the other ranks .*Connection closed by peer.*rerun"):
+        world_mod.all_ok(None, two)
+    with pytest.raises(CheckpointError, match="bad header"):  # what this rank knows of its own failure wins
+        world_mod.all_ok(CheckpointError("bad header"), two)
+    with pytest.raises(TypeError, match="cannot pickle"):  # what the step was handed, not a lost rank
+        with world_mod.together(0):
+            raise TypeError("cannot pickle '_thread.lock' object")
+    # A lost rank keeps the staging folder (a resume reuses it); bad input removes it.
+    for err, kept in ((RankLostError("lost"), True), (CheckpointError("bad"), False)):
+        dst = tmp_path / f"out-{kept}"
+        with pytest.raises(type(err)):
+            with Staging(dst, {"job": "x"}) as st:
+                (st.path / "a.safetensors").write_bytes(b"x")
+                raise err
+        assert (tmp_path / f".{dst.name}.inkling-partial" / "a.safetensors").exists() == kept
+
+
 def test_local_ranks_come_from_torchrun(monkeypatch):
     from inkling_ckpt.pipeline import local_ranks
 
@@ -553,12 +580,13 @@ def test_a_rerun_that_reuses_nothing_does_not_claim_a_resume(cli, tmp_path, monk
 # ---- ranks -------------------------------------------------------------------------------------------
 
 
-def _torchrun(jobs: list[list[str]], tmp_path: Path, *extra: str, ranks: int = 2) -> subprocess.CompletedProcess:
+def _torchrun(jobs: list[list[str]], tmp_path: Path, *extra: str, ranks: int = 2,
+              launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     spec = tmp_path / f"jobs-{len(list(tmp_path.glob('jobs-*')))}.json"
     spec.write_text(json.dumps([[str(a) for a in j] for j in jobs]))
     return subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", free_port(),
-                           str(DRIVER), str(spec), *extra], env=subprocess_env(), capture_output=True, text=True,
-                          timeout=600)
+                           *launcher, str(DRIVER), str(spec), *extra], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
 
 
 def _jobs(out: Path) -> list[list[str]]:
@@ -694,6 +722,30 @@ def test_a_rank_that_dies_publishes_nothing_and_the_rerun_resumes(cli, tmp_path)
     else:
         assert not text.startswith("resumed"), text
     assert same_files(ref, out) == []
+
+
+@pytest.mark.parametrize("command", [["dequantize"], ["convert", "hf-to-megatron"]])
+def test_a_rank_lost_in_a_step_taken_together_keeps_the_finished_work_for_the_rerun(cli, tmp_path, command):
+    """Rank 1 dies while rank 0 waits for it in the step after writing (the pipeline's, or DCP's
+    for torch_dist; gloo: "Connection closed by peer", a RuntimeError). Rank 0 says so in one line
+    and keeps the staging folder: what both ranks had finished is reused by the rerun (taken for
+    rank 0's own failure, the folder was removed)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    job = [*command, str(TINY["mixed"]), str(out), "-q", "--device", "cpu", "--workers", "1"]
+    job += ["--max-shard-size", "300KB"] if command == ["dequantize"] else []
+    assert cli(*[a if a != str(out) else str(ref) for a in job])[0] == 0
+    # torchrun stops the surviving rank 5 s after the lost one exits (not at once): time for its own line.
+    r = _torchrun([job], tmp_path, "--die-in-step", str(tmp_path), launcher=("--monitor-interval", "5"))
+    assert "RANK 0 EXIT 2" in r.stdout, (r.stdout, r.stderr[-3000:])
+    said = [ln for ln in r.stderr.splitlines() if ln.startswith("inkling-ckpt: error:")]
+    assert len(said) == 1 and "rank 0 lost the other ranks" in said[0] and "rerun" in said[0], r.stderr[-3000:]
+    assert not out.exists()
+    staging = tmp_path / ".out.inkling-partial"
+    assert staging.is_dir() and any(staging.iterdir())
+    code, text, err = cli(*job)
+    assert code == 0, err
+    assert text.startswith("resumed and finished") and "the resume reused" in text, text
+    assert _same_tree(ref, out) == []
 
 
 @pytest.mark.parametrize("layer,byte", [(0, 0x7F), (3, 0xFF)])  # a NaN block scale: NVFP4 (E4M3), MXFP8 (E8M0)

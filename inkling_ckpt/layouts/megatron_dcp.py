@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import sys
 import warnings
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter, _StorageInfo
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ..errors import CheckpointError
+from ..pipeline.world import together
 from .megatron import ChunkItem, ObjectItem
 from .megatron_writer import Locations
 
@@ -138,7 +141,10 @@ def save_metadata(folder: Path, chunks: Sequence[ChunkItem], objects: Sequence[O
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist, process_group=process_group)
+            with nullcontext() if no_dist else together(dist.get_rank(process_group)):
+                # DCP runs the ranks' own steps inside its error handling (their failures come back as
+                # a CheckpointException); what escapes as it is comes from its collectives: a lost rank.
+                dcp.save({}, storage_writer=writer, planner=planner, no_dist=no_dist, process_group=process_group)
     except dcp.api.CheckpointException as e:  # a rank failed: surface the first cause as one line
         raise _first_cause(e) from None
 

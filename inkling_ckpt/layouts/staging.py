@@ -22,7 +22,7 @@ Safety:
   inkling-ckpt published it (an empty folder is taken as free); anything else is refused;
 * the staging folder is held under an exclusive ``flock`` for the whole job (a second run on
   the same destination refuses; a staging folder replaced under us is never published); every
-  failure but an interruption removes it;
+  failure but an interruption or a lost rank (:class:`~inkling_ckpt.errors.RankLostError`) removes it;
 * nothing is written through a link: files beside DST are created exclusively
   (``O_EXCL | O_NOFOLLOW``) or inside a fresh private folder, and moved with ``rename``;
 * a ``--force`` publish moves the old output into a fresh private ``.DST.inkling-old-*`` folder
@@ -71,7 +71,7 @@ class Staging:
     ``st.done`` is True when the destination already holds this job's finished output (nothing
     to do). Inside the block write into ``st.path``; a normal exit publishes. Any failure removes
     the staging folder (bad input, a full disk, a failing write) except an interruption
-    (Ctrl-C, SIGTERM, a kill), which keeps it for a resume.
+    (Ctrl-C, SIGTERM, a kill) or a rank lost under torchrun, which keep it for a resume.
 
     The destination is refused when it is, contains or lies inside an input (``inputs`` and every
     ``"root"`` in ``job``), with or without ``force``, and when it exists without a done record
@@ -204,8 +204,8 @@ class Staging:
             if exc_type is None:
                 self._publish()
                 return False
-            if not issubclass(exc_type, Exception):
-                return False  # KeyboardInterrupt, SystemExit: keep the staging folder for a resume
+            if not issubclass(exc_type, Exception) or getattr(exc, "keeps_staging", False):
+                return False  # KeyboardInterrupt, SystemExit, a rank lost: keep the staging folder for a resume
             if self._owned():
                 shutil.rmtree(self.path, ignore_errors=True)
             if issubclass(exc_type, InklingError):

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Mapping, TypeVar
 
 import torch.distributed as dist
 
-from ..errors import CheckpointError, InklingError
+from ..errors import CheckpointError, InklingError, RankLostError
 
 K = TypeVar("K")
 
@@ -78,7 +78,8 @@ def broadcast(obj: Any, world: World) -> Any:
     if not world.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    with together(world.rank):
+        dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -87,8 +88,22 @@ def gather(obj: Any, world: World) -> list[Any]:
     if not world.distributed:
         return [obj]
     out: list[Any] = [None] * world.size
-    dist.all_gather_object(out, obj)
+    with together(world.rank):
+        dist.all_gather_object(out, obj)
     return out
+
+
+@contextmanager
+def together(rank: int) -> Iterator[None]:
+    """Around a collective step of rank ``rank``: a rank gone from it (gloo: "Connection closed by peer", a timeout) is a
+    :class:`RankLostError`, which keeps the staging folder for a resume; as the RuntimeError it
+    is, the job would take it for its own failure and remove what every rank had finished."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RankLostError(f"rank {rank} lost the other ranks in a step they take together ({first[:200]}); "
+                            "nothing was published; rerun the same command to resume") from None
 
 
 def all_ok(err: BaseException | None, world: World) -> None:
@@ -97,7 +112,12 @@ def all_ok(err: BaseException | None, world: World) -> None:
         if err is not None:
             raise err
         return
-    msgs = gather(None if err is None else (type(err).__name__, str(err), isinstance(err, InklingError)), world)
+    try:
+        msgs = gather(None if err is None else (type(err).__name__, str(err), isinstance(err, InklingError)), world)
+    except RankLostError:
+        if err is not None:
+            raise err from None  # this rank's own failure says more than the lost rank
+        raise
     if err is not None:
         raise err
     for m in msgs:
@@ -116,4 +136,5 @@ def assign(sizes: Mapping[K, int], ranks: int) -> dict[K, int]:
     return owner
 
 
-__all__ = ["World", "current_world", "launched_ranks", "local_ranks", "torchrun", "broadcast", "gather", "all_ok", "assign"]
+__all__ = ["World", "current_world", "launched_ranks", "local_ranks", "torchrun", "broadcast", "gather", "all_ok", "assign",
+           "together"]
