@@ -81,6 +81,12 @@ def expert_pieces(experts: Sequence[int], rows: int, cols: int, elems: int,
     return [([e], r, min(rows, r + block)) for e in experts for r in range(0, rows, block)]
 
 
+def largest_piece(n: int, rows: int, cols: int, elems: int, row_multiple: int = 1) -> int:
+    """Elements of the largest :func:`expert_pieces` piece of ``n`` experts (what a unit working a
+    piece at a time holds at once, beside the slice)."""
+    return max(len(js) * (hi - lo) * cols for js, lo, hi in expert_pieces(range(max(1, n)), rows, cols, elems, row_multiple))
+
+
 def expert_index(experts: Sequence[int]) -> slice | torch.Tensor:
     """Experts ``experts`` (indices into a slice) as an index: a slice when they are consecutive (a view)."""
     experts = list(experts)
@@ -232,6 +238,6 @@ def reuse_unchanged_blocks(fmt: str, x: torch.Tensor, new: dict[str, torch.Tenso
 
 
 __all__ = ["ExpertEncoder", "ScalePolicy", "ScaleSource", "SCALE_POLICIES", "cut_piece", "decode_slice", "expert_index",
-           "expert_pieces", "read_parts",
+           "expert_pieces", "largest_piece", "read_parts",
            "reads_pieces",
            "reuse_unchanged_blocks"]

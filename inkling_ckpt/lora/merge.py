@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..convert.experts import cut_piece, expert_index, expert_pieces, read_parts
+from ..convert.experts import cut_piece, expert_index, expert_pieces, largest_piece, read_parts
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
@@ -371,7 +371,7 @@ def _merge_steps(b: _Base, u: _Unit, g: int, slice_bytes: int, *, device_type: s
     per = sum(b.span(n)[2] - b.span(n)[1] for n in u.writes) // max(1, E)
 
     def hold(n: int) -> int:
-        piece = _piece_elems(n, rows, cols)
+        piece = largest_piece(n, rows, cols, ROW_CHUNK_ELEMS, row_multiple=2)  # _pieces' largest
         delta = piece * 4 // (2 if isinstance(u.target.rule, ExpertsGateUp) else 1)  # one product B @ A
         if device_type != "cpu":  # parts, pieces and codecs on the GPU: the delta is formed on the host
             return delta
@@ -509,10 +509,6 @@ def _pieces(live: list[int], rows: int, cols: int) -> list[tuple[list[int], int,
     elements each (``convert.experts.expert_pieces``; an expert's rows in gate/up pairs)."""
     return expert_pieces(live, rows, cols, ROW_CHUNK_ELEMS, row_multiple=2)
 
-
-def _piece_elems(n: int, rows: int, cols: int) -> int:
-    """Elements of the largest piece ``_pieces`` cuts from ``n`` experts of ``rows`` x ``cols``."""
-    return max(len(js) * (r1 - r0) * cols for js, r0, r1 in _pieces(list(range(max(1, n))), rows, cols))
 
 
 def _put(t: torch.Tensor, js: list[int], r0: int, r1: int, value: torch.Tensor) -> None:

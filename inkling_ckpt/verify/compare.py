@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import cut_piece, expert_pieces, read_parts, reads_pieces
+from ..convert.experts import cut_piece, expert_pieces, largest_piece, read_parts, reads_pieces
 from ..convert.requantize import read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
@@ -432,8 +432,8 @@ def plan_units(a: Any, b: Any, slice_bytes: int, device_type: str = "cpu") -> li
             return u.read_bytes
         st, first, last = sl
         _, rows, cols = st.shape
-        most = max(len(js) * (hi - lo) for js, lo, hi in expert_pieces(range(last - first), rows, cols, DECODE_ELEMENTS))
-        return min(u.read_bytes, -(-u.read_bytes * most // ((last - first) * rows)))  # the largest piece's share
+        most = largest_piece(last - first, rows, cols, DECODE_ELEMENTS)
+        return min(u.read_bytes, -(-u.read_bytes * most // ((last - first) * rows * cols)))  # the largest piece's share
 
     return [replace(u, write_bytes=0, hold_bytes=held(u) + extra) for u in units]
 
