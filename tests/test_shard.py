@@ -379,6 +379,27 @@ def test_merge_refuses_truncated_or_corrupted_ranks(tiny_release, cli, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+def test_merge_refuses_a_damaged_copy_it_does_not_read(tiny_release, cli, tmp_path):
+    """The manifest's checksums run beside the copy in one process, yet nothing is published before
+    all have passed: a flipped byte in rank 1's copy of a replicated tensor (the merge reads rank 0's,
+    so the rebuilt files still match the source) fails the merge, naming the rank file."""
+    from inkling_ckpt.layouts.sharded import raw_header
+
+    sh = tmp_path / "sh"
+    shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)
+    man = json.loads((sh / MANIFEST).read_text())
+    name = next(n for n, t in man["tensors"].items() if t["dim"] is None and t["holders"] == [0, 0])  # replicated
+    f = next(p for p in sorted((sh / "rank-01").glob("*.safetensors")) if name in raw_header(p).entries)
+    h = raw_header(f)
+    at = h.data_start + h.entries[name][2]
+    data = bytearray(f.read_bytes())
+    data[at] ^= 1
+    f.write_bytes(bytes(data))
+    code, _, err = cli("shard", "--merge", sh, tmp_path / "out", "-q")
+    assert code != 0 and "rank-01" in err and "does not match the manifest" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_merge_of_a_non_sharded_folder(tiny_release, cli, tmp_path):
     code, _, err = cli("shard", "--merge", tiny_release["bf16"], tmp_path / "out")
     assert code != 0 and "not a sharded checkpoint" in err

@@ -132,12 +132,11 @@ def row_blocks(shape: tuple[int, ...], dtype: torch.dtype, limit: int | None = N
     return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open_regular(path) as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """sha256 of a file's bytes (read into one reused buffer); ``stop`` set: give up at the next chunk."""
+    h: list[Any] = [hashlib.sha256(), 0]
+    _hash_to(path, h, None, stop)
+    return str(h[0].hexdigest())
 
 
 def _hash_files(root: Path, rels: list[str], workers: int | None = None) -> dict[str, dict[str, Any]]:
@@ -377,15 +376,26 @@ def _shard_file(ckpt: HFCheckpoint, file: str, header: RawHeader) -> list[Any]:
     return [hashlib.sha256(header.blob), header.data_start]
 
 
-def _hash_to(path: Path, h: list[Any], stop: int | None) -> None:
-    """Hash the bytes of ``path`` from where ``h`` stands up to ``stop`` (None: the end of the file)."""
+_hash_buffers = threading.local()
+
+
+def _hash_to(path: Path, h: list[Any], stop: int | None, cancel: threading.Event | None = None) -> None:
+    """Hash the bytes of ``path`` from where ``h`` ([sha256, position]) stands up to ``stop`` (None:
+    the end of the file), through this thread's one reused buffer (no fresh 16 MiB per chunk).
+    ``cancel`` set: return at the next chunk, the hash unfinished."""
     if stop is not None and stop <= h[1]:
         return
+    buf = getattr(_hash_buffers, "buf", None)
+    if buf is None:
+        buf = _hash_buffers.buf = memoryview(bytearray(_HASH_CHUNK))
     with open_regular(path) as f:
         f.seek(h[1])
-        while chunk := f.read(_HASH_CHUNK if stop is None else min(_HASH_CHUNK, stop - h[1])):
-            h[0].update(chunk)
-            h[1] += len(chunk)
+        while cancel is None or not cancel.is_set():
+            n = f.readinto(buf if stop is None else buf[:min(_HASH_CHUNK, stop - h[1])])
+            if not n:
+                break
+            h[0].update(buf[:n])
+            h[1] += n
             if stop is not None and h[1] >= stop:
                 break
 
@@ -788,9 +798,53 @@ def _check_sums(root: Path, files: dict[str, dict[str, Any]], progress: bool) ->
     with ByteProgress(total, desc="checksums", enabled=progress) as bar:
         for rel, got in _hash_files(root, sorted(files)).items():
             if got["sha256"] != files[rel]["sha256"]:
-                raise IntegrityError(f"{root / rel}: sha256 {got['sha256'][:16]}… does not match the manifest's "
-                                     f"{files[rel]['sha256'][:16]}…; the file is corrupted")
+                raise _corrupted(root, rel, got["sha256"], files[rel]["sha256"])
             bar.advance(got["bytes"])
+
+
+def _corrupted(root: Path, rel: str, got: str, want: str) -> IntegrityError:
+    return IntegrityError(f"{root / rel}: sha256 {got[:16]}… does not match the manifest's {want[:16]}…; "
+                          "the file is corrupted")
+
+
+class SumChecks:
+    """The manifest's sha256s of a sharded folder, checked on background threads while a merge copies.
+
+    Files are hashed in parallel, largest first (the merge reads the same bytes: each is read
+    from the disk once, by whichever comes first). :meth:`failed` says at once whether a finished
+    check has failed; :meth:`result` waits for all of them and raises the first corrupted file
+    by name; :meth:`close` stops the hashing at its next chunk."""
+
+    def __init__(self, root: Path, files: dict[str, dict[str, Any]], workers: int | None = None):
+        self.root, self.files = root, files
+        self._cancel = threading.Event()
+        self._error: IntegrityError | None = None
+        self._pool = ThreadPoolExecutor(max_workers=workers or min(8, os.cpu_count() or 1),
+                                        thread_name_prefix="inkling-check")
+        order = sorted(files, key=lambda rel: (-int(files[rel]["bytes"]), rel))
+        self._futures = {rel: self._pool.submit(self._one, rel) for rel in order}
+
+    def _one(self, rel: str) -> str:
+        got = sha256_file(self.root / rel, self._cancel)
+        if not self._cancel.is_set() and got != self.files[rel]["sha256"] and self._error is None:
+            self._error = _corrupted(self.root, rel, got, self.files[rel]["sha256"])
+        return got
+
+    def failed(self) -> None:
+        """Raise a failure found so far (without waiting for the rest)."""
+        if self._error is not None:
+            raise self._error
+
+    def result(self) -> None:
+        """Wait for every check; raise the first corrupted file in name order."""
+        for rel in sorted(self._futures):
+            got = self._futures[rel].result()
+            if got != self.files[rel]["sha256"]:
+                raise _corrupted(self.root, rel, got, self.files[rel]["sha256"])
+
+    def close(self) -> None:
+        self._cancel.set()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- merge --------------------------------------------------------------------------------
@@ -825,12 +879,20 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
     """Reassemble the source checkpoint of the sharded folder ``dst`` into ``out``, byte for byte.
 
     Runs through :mod:`inkling_ckpt.pipeline`: one unit per block of dim-0 rows of each tensor
-    (read from the lowest rank holding each piece on ``--workers`` threads, written in order);
-    under torchrun the ranks split the source files, each file rebuilt and checked by one rank, and
-    split the manifest's sha256 checks of the sharded folder before anything is written.
+    (read from the lowest rank holding each piece on ``--workers`` threads, written in order).
+    Each rebuilt file is hashed (read back from the page cache) and, once it matches the source's
+    sha256, made durable and renamed, on a background thread while the next one is written. The
+    manifest's sha256s of the sharded folder: in one process checked on background threads
+    beside the copy (each byte read from the disk once; nothing is published until every check
+    has passed, and a damaged rank file is what a failure names); under torchrun the ranks split
+    those checks before anything is written, and split the source files, each rebuilt and
+    checked by one rank.
     """
     t0 = time.perf_counter()
-    sharded = ShardedCheckpoint.open(dst, progress=progress, world=current_world())  # ranks split the checksums
+    world = current_world()
+    beside = not world.distributed  # one process: the checksums run beside the copy
+    sharded = ShardedCheckpoint.open(dst, progress=progress, world=world, verify_checksums=not beside)
+    checks = SumChecks(sharded.root, sharded.manifest["files"]) if beside else None
     man = sharded.manifest
     root = sharded.root
     sources = man["source"]
@@ -859,34 +921,49 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
             mine = [u for u in units if owner[u.data.file] == stage.rank]
             todo = [u for u in mine if not stage.is_finished(u.data.file)]  # a resume keeps checked files
             reused = [u for u in mine if stage.is_finished(u.data.file)]
-            cur: list[Any] = []  # [file handle, sha256] of the file being rebuilt
+            cur: list[Any] = []  # [file handle, [sha256, position hashed up to], path] of the file being rebuilt
+            lane = Lane("inkling-hash")  # hashing what was written, checking and finishing files, in order
+
+            def check_and_finish(name: str, path: Path, h: list[Any]) -> None:
+                _hash_to(path, h, None)
+                if h[0].hexdigest() != sources[name]["sha256"]:
+                    if checks is not None:
+                        checks.result()  # a damaged rank file is the cause: name it
+                    if "header" not in sources[name]:
+                        raise IntegrityError(f"{root / SOURCE_DIR / name}: does not match the source's sha256")
+                    raise IntegrityError(f"merged {name} does not match the source's sha256 "
+                                         f"{sources[name]['sha256'][:16]}…")
+                stage.finish(name)
 
             def sink(unit: Unit, data: memoryview | None) -> None:
+                if checks is not None:
+                    checks.failed()  # stop early on a damaged rank file
                 s: _MergeStep = unit.data
-                info = sources[s.file]
                 if s.kind == "copy":
                     tmp = stage.partial(s.file)
                     copy_new(inside(root / SOURCE_DIR, s.file, str(root / MANIFEST), "source file"), tmp)
-                    if sha256_file(tmp) != info["sha256"]:
-                        raise IntegrityError(f"{root / SOURCE_DIR / s.file}: does not match the source's sha256")
-                    stage.finish(s.file)
+                    lane.submit(check_and_finish, s.file, tmp, [hashlib.sha256(), 0])
                     return
                 if s.kind == "open":
                     cur[:] = _merge_file(stage, s.file, blobs[s.file])
                 elif data is not None:
                     cur[0].write(data)
-                    cur[1].update(data)
                 if s.last:
-                    fh, h = cur
+                    fh, h, path = cur
                     cur.clear()
                     fh.close()
-                    if h.hexdigest() != info["sha256"]:
-                        raise IntegrityError(f"merged {s.file} does not match the source's sha256 {info['sha256'][:16]}…")
-                    stage.finish(s.file)
+                    lane.submit(check_and_finish, s.file, path, h)
+                elif data is not None:
+                    cur[0].flush()  # the lane reads it back from the page cache
+                    lane.submit(_hash_to, cur[2], cur[1], cur[0].tell())
 
             try:
                 ex.run(todo, transform, sink, reused=reused)
+                lane.settle()
+                if checks is not None:
+                    checks.result()  # every manifest check passed before anything is published
             finally:
+                lane.close(cancel=True)
                 if cur:
                     cur[0].close()
 
@@ -897,6 +974,8 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
         result.bytes = sum(int(info["bytes"]) for info in sources.values())
         result.tensors = len(sharded.tensors)
     finally:
+        if checks is not None:
+            checks.close()
         sharded.close()
     return result
 
@@ -939,10 +1018,12 @@ def _merge_steps(sharded: ShardedCheckpoint, name: str, info: dict[str, Any]) ->
 
 
 def _merge_file(stage: Stage, name: str, blob: bytes) -> list[Any]:
-    """Start rebuilding source shard ``name``: its partial file with the header written, and the sha256 so far."""
-    fh = open(stage.partial(name), "wb")
+    """Start rebuilding source shard ``name``: its partial file with the header written, [the sha256
+    so far (the header), the position hashed up to], and its path."""
+    path = stage.partial(name)
+    fh = open(path, "wb")
     fh.write(blob)
-    return [fh, hashlib.sha256(blob)]
+    return [fh, [hashlib.sha256(blob), len(blob)], path]
 
 
 def describe_plan(plan: ShardPlan) -> dict[str, Any]:
@@ -965,5 +1046,5 @@ def open_any(path: str | Path, **kw: Any) -> Any:
     return HFCheckpoint.open(path)
 
 
-__all__ = ["shard", "merge", "ShardedCheckpoint", "MANIFEST", "plan_checkpoint", "describe_plan", "open_any",
+__all__ = ["shard", "merge", "ShardedCheckpoint", "SumChecks", "MANIFEST", "plan_checkpoint", "describe_plan", "open_any",
            "check_files", "checked_by", "rank_dir", "raw_header"]
