@@ -258,7 +258,9 @@ def grid(args: argparse.Namespace) -> dict:
     res: dict = {"mode": "grid", "layers": args.layers, "experts": args.experts, "cores": os.cpu_count(),
                  "gpu": gpu_name(), "fixture_bytes": {k: folder_bytes(v) for k, v in src.items() if v.exists()},
                  "steps": []}
-    before = plain_fig(src["bf16"], work)
+    # --plain-mb-s: a later run on the same machine and fixture compares with an earlier run's baseline
+    before = ({"seconds": 0.0, "bytes": 0, "mb_s": args.plain_mb_s, "peak_rss": 0} if args.plain_mb_s
+              else plain_fig(src["bf16"], work))
     print(f"plain read + write of {res['fixture_bytes']['bf16'] / 1e9:.2f} GB: {before['seconds']:.1f} s = "
           f"{before['mb_s']:.0f} MB/s (read + write)", flush=True)
     digests: dict[str, str] = {}
@@ -303,7 +305,7 @@ def grid(args: argparse.Namespace) -> dict:
                   flush=True)
             if out is not None and out not in (src["mg"], src["sharded"]):
                 shutil.rmtree(out, ignore_errors=True)
-    after = plain_fig(src["bf16"], work)
+    after = before if args.plain_mb_s else plain_fig(src["bf16"], work)
     res["plain"] = max(before, after, key=lambda f: f["mb_s"])
     res["plain_runs_mb_s"] = [before["mb_s"], after["mb_s"]]
     for m in res["steps"]:
@@ -466,6 +468,9 @@ def main() -> None:
     ap.add_argument("--code", default=str(ROOT), help="checkout whose inkling_ckpt runs the steps (default: this one)")
     ap.add_argument("--legacy", action="store_true", help="the checkout predates --device/--slice-mb/--workers: pass none")
     ap.add_argument("--keep", action="store_true", help="keep the generated fixtures for the next run")
+    ap.add_argument("--plain-mb-s", type=float, default=0.0,
+                    help="grid: take this plain read + write rate (MB/s, an earlier run's on the same machine and "
+                         "fixture) instead of measuring it before and after the steps")
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--profile", metavar="DIR",
                     help="run each step under py-spy (pip install py-spy), sampled stacks of every thread into DIR; "
