@@ -760,6 +760,42 @@ def test_row_pieces_do_not_change_the_merge(work, dims, base_bf16, base_mixed, m
             (work / f"pieces-whole-{name}" / "model.safetensors").read_bytes()
 
 
+def test_whole_slices_with_products_a_piece_at_a_time_do_not_change_the_merge(work, dims, base_bf16, base_mixed,
+                                                                               monkeypatch):
+    """A GPU decodes, adds into and re-encodes a slice's live experts in one piece while forming
+    the products B @ A a row piece at a time, the CPU's calls. Forced here on the CPU (the path is
+    the same code) with row pieces of 6 rows and zero-delta experts between live ones: the bytes
+    of the piece-at-a-time merge."""
+    import importlib
+
+    merge_mod = importlib.import_module("inkling_ckpt.lora.merge")
+    eng = engine(dims, trainer_adapter(dims, seed=19))
+    for n, t in eng.items():
+        if n.endswith("w1.lora_B.weight"):
+            t[[0, 2]] = 0  # experts 0 and 2: only the up (w3) product
+        elif n.endswith("w3.lora_B.weight"):
+            t[2] = 0  # expert 2: no delta at all (not decoded, its bytes kept)
+        elif n.endswith("w2.lora_A.weight"):
+            t[1] = 0
+    ad = write_adapter_dir(work / "ad-whole", eng)
+    H = json.loads((base_mixed / "config.json").read_text())["text_config"]["hidden_size"]
+    real = merge_mod._Merger.__init__
+
+    def whole(self, *a, **k):
+        real(self, *a, **k)
+        self.whole_slices = True
+
+    for name, base in (("mixed", base_mixed), ("bf16", base_bf16)):
+        with monkeypatch.context() as m:
+            m.setattr(merge_mod, "ROW_CHUNK_ELEMS", 6 * H)
+            pieces = merge(base, ad, work / f"whole-pieces-{name}", progress=False)
+            m.setattr(merge_mod._Merger, "__init__", whole)
+            slices = merge(base, ad, work / f"whole-slices-{name}", progress=False)
+        assert slices.unchanged_experts == pieces.unchanged_experts > 0
+        assert (work / f"whole-slices-{name}" / "model.safetensors").read_bytes() == \
+            (work / f"whole-pieces-{name}" / "model.safetensors").read_bytes()
+
+
 def test_merge_charges_each_step_what_it_holds(work, base_mixed, ad_random, monkeypatch):
     """The memory budget sees what a step holds on the host: a copy the bytes it moves (once), an
     expert slice its stored parts and, on the CPU, a piece of it decoded to float32 (more with

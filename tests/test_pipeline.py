@@ -103,6 +103,10 @@ def test_ranks_on_one_node_split_its_cores():
     assert share_cores(16, 2, 5, "cuda") == (5, 1)
     assert share_cores(16, 1, 0, "cuda", gpu_workers=4) == (4, 1)  # a command whose work is on the host
     assert share_cores(16, 1, 6, "cuda", gpu_workers=4) == (6, 1)  # --workers is the user's
+    # units doing torch math on the host on a GPU run too (lora merge's products) split the cores as on the CPU
+    assert share_cores(16, 1, 0, "cuda", gpu_workers=4, host_math=True) == (4, 4)
+    assert share_cores(16, 2, 0, "cuda", gpu_workers=4, host_math=True) == (4, 2)
+    assert share_cores(2, 1, 0, "cuda", gpu_workers=4, host_math=True) == (2, 1)
 
 
 def test_the_executor_takes_the_ranks_per_node_from_its_world(monkeypatch):

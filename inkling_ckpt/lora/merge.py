@@ -33,6 +33,7 @@ from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
+from ..layouts.lane import Lane
 from ..layouts.paths import check_dst, copy_new, inside, open_regular, pass_through
 from ..layouts.pread import TensorFile, write_from
 from ..layouts.sharded import raw_header
@@ -394,6 +395,9 @@ class _Merger:
         self.base, self.adapter, self.device = base, adapter, device
         self.measure, self.passthrough_zero = measure, passthrough_zero
         self.s = adapter.scale
+        #: decode, add into and re-encode a slice's live experts in one piece (a GPU's way; the
+        #: products still a piece at a time), else a piece at a time (the CPU's way: less memory)
+        self.whole_slices = device.type != "cpu"
 
     def __call__(self, unit: Unit) -> _Got:
         s: _Step = unit.data
@@ -472,20 +476,31 @@ class _Merger:
             else:
                 got.unchanged += 1
         measured: dict[int, list[float]] = {j: [0.0, 0.0] for j in live}
-        for js, r0, r1 in _pieces(list(live), rows, cols):
+        cuts = _pieces(list(live), rows, cols)
+        # The products B @ A are formed on the CPU piece by piece (`cuts`), the same calls on every
+        # device; with whole_slices (a GPU) the slice's live experts are decoded, added into and
+        # re-encoded in one piece (the slice is bounded by --slice-mb): a fifth of the launches and
+        # host checks of a piece at a time (a real w13 expert is five pieces), the same bytes (the
+        # codecs work block by block).
+        whole = self.whole_slices and bool(live)
+        for js, r0, r1 in [(list(live), 0, rows)] if whole else cuts:
             piece = {k: t.contiguous() for k, t in cut_piece(parts, js, r0, r1).items()}
             x = _decode(fmt, piece, u.base)
             # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3); a
             # piece starts on an even row, so its gate rows are B's rows r0/2:r1/2
             halves = deinterleave(x) if gate_up else None
-            b0, b1 = (r0 // 2, r1 // 2) if gate_up else (r0, r1)
-            for i_x, j in enumerate(js):
-                f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
-                for i, bs, jj, as_ in live[j]:
-                    d = f_j[(i, bs)][b0:b1] @ f_j[(jj, as_)]
-                    d.mul_(self.s)  # W + s * (B @ A), rounded in that order
-                    (x[i_x] if halves is None else halves[i][i_x]).add_(d if dev.type == "cpu" else d.to(dev))
-                del d
+            at = {j: i_x for i_x, j in enumerate(js)}
+            for cjs, c0, c1 in cuts if whole else [(js, r0, r1)]:
+                b0, b1 = (c0 // 2, c1 // 2) if gate_up else (c0, c1)  # B's rows
+                o0, o1 = (b0 - r0 // 2, b1 - r0 // 2) if gate_up else (b0 - r0, b1 - r0)  # the same rows of x
+                for j in cjs:
+                    f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
+                    for i, bs, jj, as_ in live[j]:
+                        d = f_j[(i, bs)][b0:b1] @ f_j[(jj, as_)]
+                        d.mul_(self.s)  # W + s * (B @ A), rounded in that order
+                        rows_of = x[at[j]] if halves is None else halves[i][at[j]]
+                        rows_of[o0:o1].add_(d if dev.type == "cpu" else d.to(dev))
+                    del d
             enc = _encode(fmt, x, piece, wdtype, u.base)
             if self.measure and fmt != "bf16":
                 back = _decode(fmt, {**piece, **{s: enc[s] for s in spans}}, u.base)
@@ -619,7 +634,8 @@ def merge(base: str | Path, adapter: str | Path, dst: str | Path, *, force: bool
         # On a GPU a merge still copies, merges float linears and forms deltas on the host: 8 workers
         # (the GPU default) ran it in 14.3-18.7 s at 1083-1116 MiB peak RSS on the H200 machine
         # (8-layer wide fixture), 4 in 12.8 s at 1000 MiB.
-        ex = Executor(options or Options(progress=progress), desc="lora merge", gpu_workers=MAX_DEFAULT_WORKERS)
+        ex = Executor(options or Options(progress=progress), desc="lora merge", gpu_workers=MAX_DEFAULT_WORKERS,
+                      host_math=True)
         return _merge_into(b, ad, units, dst_p, job, force, measure, passthrough_zero, ex)
     finally:
         b.close()
@@ -644,6 +660,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
         local: dict[str, Any] = {"changed": [], "sqnr": [], "unchanged": 0, "files": 0}
         acc: dict[str, list[Any]] = {}  # tensor -> [changed, signal, error]
         cur: list[Any] = []  # [group, _Out] being written
+        lane = Lane("inkling-fsync")  # finished groups made durable and renamed while the next is written
 
         def close_group() -> None:
             if cur:
@@ -651,7 +668,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                 out.close()
                 cur.clear()
                 for f in groups[g]:
-                    stage.finish(f)
+                    lane.submit(stage.finish, f)
                 local["files"] += len(groups[g])
 
         def sink(unit: Unit, got: _Got) -> None:
@@ -681,11 +698,15 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
 
         try:
             ex.run(todo, transform, sink, reused=reused)
+            close_group()
+            lane.settle()
         except BaseException:
             if cur:  # an interruption keeps the groups finished so far for a resume
                 cur[1].close()
+            lane.settle(raise_errors=False)  # the groups handed over before it are finished
             raise
-        close_group()
+        finally:
+            lane.close()
         return local
 
     def finish(stage: Stage, _: Any) -> None:

@@ -84,7 +84,7 @@ def cores() -> int:
 
 
 def share_cores(cores: int, local_ranks: int, workers: int, device_type: str, *,
-                gpu_workers: int = MAX_DEFAULT_GPU_WORKERS) -> tuple[int, int]:
+                gpu_workers: int = MAX_DEFAULT_GPU_WORKERS, host_math: bool = False) -> tuple[int, int]:
     """``(workers, torch threads per worker)`` for one rank of ``local_ranks`` sharing ``cores``.
 
     The ranks on one node split its cores evenly, and a rank's workers split its share, so the
@@ -94,14 +94,16 @@ def share_cores(cores: int, local_ranks: int, workers: int, device_type: str, *,
     :data:`MAX_DEFAULT_GPU_WORKERS`), and at least 2 on a GPU (the GPU work of a slice takes
     milliseconds; reading, checking and serializing it on the host does not, so the host side
     wants several slices in flight).
-    At least 1 each. On a GPU a worker mostly waits on its stream or in I/O: one torch thread.
+    At least 1 each. On a GPU a worker mostly waits on its stream or in I/O: one torch thread,
+    unless its units do math of their own on the host (``host_math``: lora merge's products,
+    formed on the CPU whatever the device), which then splits the share as on the CPU.
     """
     share = max(1, cores // max(1, local_ranks))
     if workers <= 0:
         workers = max(1, min(share, gpu_workers if device_type == "cuda" else MAX_DEFAULT_WORKERS))
         if device_type == "cuda":
             workers = max(2, workers)
-    threads = max(1, share // workers) if device_type == "cpu" else 1
+    threads = max(1, share // workers) if device_type == "cpu" or host_math else 1
     return workers, threads
 
 
@@ -183,9 +185,11 @@ class Executor:
     """Runs units for one command on one rank; see the module docstring."""
 
     def __init__(self, options: Options | None = None, *, desc: str = "", world: World | None = None,
-                 gpu_workers: int = MAX_DEFAULT_GPU_WORKERS):
+                 gpu_workers: int = MAX_DEFAULT_GPU_WORKERS, host_math: bool = False):
         """``gpu_workers``: the most workers by default on a GPU, for a command whose units do most
-        of their work on the host even there (lora merge: copies, float linears, deltas; verify)."""
+        of their work on the host even there (lora merge: copies, float linears, deltas; verify).
+        ``host_math``: the units' host work is torch math (lora merge's products), which gets the
+        workers' share of the cores on a GPU too (:func:`share_cores`)."""
         steady_memory()  # every command that streams tensors: freed slices go back to the OS
         self.options = options or Options()
         self.desc = desc
@@ -194,7 +198,7 @@ class Executor:
         asked = int(self.options.slice_bytes)
         self.slice_bytes = asked if asked > 0 else default_slice_bytes(self.device.type)
         self.workers, self.threads = share_cores(cores(), self.world.local_size, self.options.workers, self.device.type,
-                                                 gpu_workers=gpu_workers)
+                                                 gpu_workers=gpu_workers, host_math=host_math)
         self.stats = RankStats(rank=self.world.rank, device=str(self.device), workers=self.workers,
                                threads=self.threads)
         self._t0 = time.perf_counter()
