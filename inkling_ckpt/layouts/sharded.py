@@ -62,7 +62,7 @@ FORMAT = "inkling-ckpt/sharded"
 VERSION = 2  # 2: release layout (stacked experts, 'inner' moe-TP cuts, local shapes)
 SOURCE_DIR = "source"
 HEADERS_DIR = f"{SOURCE_DIR}/headers"
-_HASH_CHUNK = 16 << 20
+_HASH_CHUNK = 1 << 20  # a hashing thread's read buffer (reused): 16 MiB ones cost the checks of shard --merge ~100 MiB of RSS
 HASH_HOLD_BYTES = 512 << 20  # blocks waiting for the source hash, at most
 #: Tensors move in blocks of dim-0 rows of about this size (at least one row): one expert of a
 #: stacked [E, 2F, H] tensor is 21 MB in MXFP8 on the full model, the whole layer 8 GB.

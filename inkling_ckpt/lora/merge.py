@@ -446,7 +446,8 @@ class _Merger:
         return _Got([(f, start + r0 * row_bytes, _bytes(w))], changed=live)
 
     def experts(self, u: _Unit, first: int, last: int) -> _Got:
-        """Experts ``first:last`` of a merged stacked weight, a piece (``_pieces``) at a time.
+        """Experts ``first:last`` of a merged stacked weight, a piece (``_pieces``) at a time (on a
+        GPU, ``whole_slices``: the slice's live experts at once, the products still a piece at a time).
 
         The new parts are written over the slice's stored parts as each piece is done (a piece
         reads only its own rows, and an expert with a zero delta keeps its base bytes), so the
