@@ -400,6 +400,30 @@ def test_merge_refuses_a_damaged_copy_it_does_not_read(tiny_release, cli, tmp_pa
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+def test_background_checks_name_the_first_damaged_file_and_wait_for_all(tmp_path):
+    import hashlib
+
+    from inkling_ckpt.layouts.sharded import SumChecks
+
+    files = {}
+    for i, size in enumerate((3 << 20, 1, 0, 5 << 20)):  # over and under the read buffer, an empty file
+        data = bytes((i * 7 + k) % 251 for k in range(size))
+        (tmp_path / f"f{i}").write_bytes(data)
+        files[f"f{i}"] = {"bytes": size, "sha256": hashlib.sha256(data).hexdigest()}
+    checks = SumChecks(tmp_path, files, workers=2)
+    checks.result(progress=True)
+    checks.failed()
+    checks.close()
+    for rel in ("f3", "f1"):  # two damaged: the first by name is reported, after all have run
+        files[rel] = {**files[rel], "sha256": "0" * 64}
+    checks = SumChecks(tmp_path, files, workers=2)
+    with pytest.raises(IntegrityError, match=r"f1: sha256 .* does not match the manifest's 0000"):
+        checks.result()
+    with pytest.raises(IntegrityError, match="does not match the manifest"):
+        checks.failed()
+    checks.close()
+
+
 def test_merge_of_a_non_sharded_folder(tiny_release, cli, tmp_path):
     code, _, err = cli("shard", "--merge", tiny_release["bf16"], tmp_path / "out")
     assert code != 0 and "not a sharded checkpoint" in err

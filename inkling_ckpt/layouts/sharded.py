@@ -37,7 +37,7 @@ import os
 import struct
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
@@ -835,8 +835,15 @@ class SumChecks:
         if self._error is not None:
             raise self._error
 
-    def result(self) -> None:
-        """Wait for every check; raise the first corrupted file in name order."""
+    def result(self, progress: bool = False) -> None:
+        """Wait for every check (``progress``: a bar of the files still being checked, for a copy
+        that ran ahead of them); raise the first corrupted file in name order."""
+        left = {rel: f for rel, f in self._futures.items() if not f.done()}
+        if left:
+            size = {rel: int(self.files[rel]["bytes"]) for rel in left}
+            with ByteProgress(sum(size.values()), desc="checksums", enabled=progress) as bar:
+                for f in as_completed(left.values()):
+                    bar.advance(size[next(rel for rel, g in left.items() if g is f)])
         for rel in sorted(self._futures):
             got = self._futures[rel].result()
             if got != self.files[rel]["sha256"]:
@@ -961,7 +968,7 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
                 ex.run(todo, transform, sink, reused=reused)
                 lane.settle()
                 if checks is not None:
-                    checks.result()  # every manifest check passed before anything is published
+                    checks.result(progress)  # every manifest check passed before anything is published
             finally:
                 lane.close(cancel=True)
                 if cur:
