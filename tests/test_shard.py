@@ -400,6 +400,22 @@ def test_merge_refuses_a_damaged_copy_it_does_not_read(tiny_release, cli, tmp_pa
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.mark.parametrize("where", ["rank file", "header copy"])
+def test_a_damaged_header_is_reported_as_the_damaged_file_it_is(tiny_release, cli, tmp_path, where):
+    """With the checksums beside the copy, a header that no longer parses fails the open or the
+    plan first: the merge still names the file whose sha256 does not match, not what it broke."""
+    sh = tmp_path / "sh"
+    shard(tiny_release["mxfp8"], sh, 2, 2, progress=False)
+    f = sorted((sh / "rank-01").glob("*.safetensors"))[0] if where == "rank file" else \
+        sorted((sh / "source" / "headers").glob("*.header"))[0]
+    data = bytearray(f.read_bytes())
+    data[8] ^= 0x20  # the header's opening brace: no longer JSON
+    f.write_bytes(bytes(data))
+    code, _, err = cli("shard", "--merge", sh, tmp_path / "out", "-q")
+    assert code != 0 and f.name in err and "does not match the manifest" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
 def test_background_checks_name_the_first_damaged_file_and_wait_for_all(tmp_path):
     import hashlib
 

@@ -898,7 +898,10 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
     t0 = time.perf_counter()
     world = current_world()
     beside = not world.distributed  # one process: the checksums run beside the copy
-    sharded = ShardedCheckpoint.open(dst, progress=progress, world=world, verify_checksums=not beside)
+    try:
+        sharded = ShardedCheckpoint.open(dst, progress=progress, world=world, verify_checksums=not beside)
+    except CheckpointError as e:
+        raise (_damage_first(Path(dst), e) if beside else e) from None
     checks = SumChecks(sharded.root, sharded.manifest["files"]) if beside else None
     man = sharded.manifest
     root = sharded.root
@@ -908,13 +911,16 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
     try:
         blobs: dict[str, bytes] = {}
         units: list[Unit] = []
-        for name, info in sorted(sources.items()):  # every header checked before anything is written
-            if "header" in info:
-                blobs[name], steps = _merge_steps(sharded, name, info)
-                units += steps
-            else:
-                units.append(Unit(f"{name}:copy", name, int(info["bytes"]), int(info["bytes"]), (),
-                                  _MergeStep("copy", name, last=True)))
+        try:
+            for name, info in sorted(sources.items()):  # every header checked before anything is written
+                if "header" in info:
+                    blobs[name], steps = _merge_steps(sharded, name, info)
+                    units += steps
+                else:
+                    units.append(Unit(f"{name}:copy", name, int(info["bytes"]), int(info["bytes"]), (),
+                                      _MergeStep("copy", name, last=True)))
+        except CheckpointError as e:
+            raise (_damage_first(root, e) if beside else e) from None
         ex = Executor(options or Options(progress=progress), desc="merge")
         owner = assign({name: int(info["bytes"]) for name, info in sources.items()}, ex.world.size)
 
@@ -969,6 +975,10 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
                 lane.settle()
                 if checks is not None:
                     checks.result(progress)  # every manifest check passed before anything is published
+            except CheckpointError:
+                if checks is not None:
+                    checks.result()  # data that does not read right: a damaged file is the cause to name
+                raise
             finally:
                 lane.close(cancel=True)
                 if cur:
@@ -985,6 +995,21 @@ def merge(dst: str | Path, out: str | Path, *, force: bool = False, progress: bo
             checks.close()
         sharded.close()
     return result
+
+
+def _damage_first(root: Path, err: CheckpointError) -> CheckpointError:
+    """What to report when a sharded folder whose checksums were to run beside the merge fails to
+    open or plan: a file the manifest's sha256 finds damaged (a header that no longer parses, say)
+    is the cause; else ``err``. Checks the folder in full, as an open before writing does."""
+    if isinstance(err, IntegrityError):
+        return err
+    try:
+        ShardedCheckpoint.open(root, verify_checksums=True).close()
+    except IntegrityError as e:
+        return e
+    except CheckpointError:
+        pass
+    return err
 
 
 def _merge_steps(sharded: ShardedCheckpoint, name: str, info: dict[str, Any]) -> tuple[bytes, list[Unit]]:
