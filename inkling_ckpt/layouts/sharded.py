@@ -794,12 +794,12 @@ def check_files(root: Path, files: dict[str, dict[str, Any]], *, verify_checksum
 
 
 def _check_sums(root: Path, files: dict[str, dict[str, Any]], progress: bool) -> None:
-    total = sum(info["bytes"] for info in files.values())
-    with ByteProgress(total, desc="checksums", enabled=progress) as bar:
-        for rel, got in _hash_files(root, sorted(files)).items():
-            if got["sha256"] != files[rel]["sha256"]:
-                raise _corrupted(root, rel, got["sha256"], files[rel]["sha256"])
-            bar.advance(got["bytes"])
+    """Every file's sha256 against the manifest, files in parallel; the first damaged one by name raised."""
+    checks = SumChecks(root, files)
+    try:
+        checks.result(progress)
+    finally:
+        checks.close()
 
 
 def _corrupted(root: Path, rel: str, got: str, want: str) -> IntegrityError:
@@ -838,12 +838,11 @@ class SumChecks:
     def result(self, progress: bool = False) -> None:
         """Wait for every check (``progress``: a bar of the files still being checked, for a copy
         that ran ahead of them); raise the first corrupted file in name order."""
-        left = {rel: f for rel, f in self._futures.items() if not f.done()}
-        if left:
-            size = {rel: int(self.files[rel]["bytes"]) for rel in left}
+        size = {f: int(self.files[rel]["bytes"]) for rel, f in self._futures.items() if not f.done()}
+        if size:
             with ByteProgress(sum(size.values()), desc="checksums", enabled=progress) as bar:
-                for f in as_completed(left.values()):
-                    bar.advance(size[next(rel for rel, g in left.items() if g is f)])
+                for f in as_completed(size):
+                    bar.advance(size[f])
         for rel in sorted(self._futures):
             got = self._futures[rel].result()
             if got != self.files[rel]["sha256"]:

@@ -704,10 +704,9 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
         except BaseException:
             if cur:  # an interruption keeps the groups finished so far for a resume
                 cur[1].close()
-            lane.settle(raise_errors=False)  # the groups handed over before it are finished
             raise
         finally:
-            lane.close()
+            lane.close()  # the groups handed over before an interruption are finished too
         return local
 
     def finish(stage: Stage, _: Any) -> None:
