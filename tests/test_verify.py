@@ -305,6 +305,31 @@ def test_tensor_stats_equal_a_plain_python_reference(monkeypatch):
         assert (e.exact_elements, e.signal, e.noise, e.max_abs) == (a.numel(), *_reference_stats(a, a, 64)[1:3], 0.0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 96, 4608 * 7, 3 * 2 ** 18, 2 ** 20 - 1, 12345 * 8, 2 ** 20])
+def test_column_blocks_sum_in_the_whole_rows_tree(n):
+    """The CPU's row figures (the tree's top levels a column block at a time) equal the pairwise
+    tree run over the whole row, to the bit: counts of rows that divide by 32, by fewer powers of
+    two, odd ones. Magnitudes over ~20 binades, so another order of the adds rounds otherwise."""
+    import numpy as np
+
+    from inkling_ckpt.verify import compare as cmp
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 7)).numpy().reshape(1, -1)
+    y = (torch.from_numpy(x) * (1 + torch.randn(n, generator=g) * 1e-3)).numpy()
+    y[0, : n // 3] = x[0, : n // 3]  # a third bit-equal
+    sq_x = np.square(x, dtype=np.float64)
+    e = y - x
+    whole = (int(np.count_nonzero(x.view(np.int32) == y.view(np.int32))),
+             float(cmp._pairwise(sq_x.copy(), cmp._np_add)[0]),
+             float(cmp._pairwise(np.square(e, dtype=np.float64), cmp._np_add)[0]),
+             float(np.abs(e).max()))
+    assert cmp._np_row(x, y) == whole
+    assert cmp._np_row(x, None) == (n, whole[1], 0.0, 0.0)
+    if n >= 4608 * 7:  # the test tells orders apart: a plain left-to-right sum rounds otherwise
+        assert float(np.cumsum(sq_x[0])[-1]) != whole[1]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_tensor_stats_same_bits_on_the_gpu(monkeypatch):

@@ -179,22 +179,38 @@ GPU_ROWS = 4
 _local = threading.local()
 
 
-def _np_buffers(n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's reused row buffers (float64 squares, float32 error, equal-bits mask), ``n`` wide:
-    no fresh blocks per chunk (8, 4 and 1 MiB; the 8 MiB one at glibc's mmap threshold, mapped and
-    faulted in anew each time). Reusing them did not shrink the heap's free space at verify's peak
-    (the trim in the executor's resident-size check does that)."""
-    bufs = getattr(_local, "rows", None)
+#: Rows of the top levels of the pairwise tree taken a column block at a time on the CPU
+#: (:func:`_np_row`), and the float64 elements of one such block: small enough that a block's
+#: squares, error and adds stay in a core's cache instead of streaming 8 MiB rows through memory.
+_TOP_ROWS = 1 << 5
+_BLOCK_ELEMENTS = 1 << 17
+
+
+def _np_buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's reused block buffers (float64 squares, float32 error, equal-bits mask) of
+    :data:`_BLOCK_ELEMENTS` each: no fresh blocks per chunk."""
+    bufs = getattr(_local, "blocks", None)
     if bufs is None:
-        bufs = _local.rows = (np.empty((1, STATS_CHUNK), np.float64), np.empty((1, STATS_CHUNK), np.float32),
-                              np.empty((1, STATS_CHUNK), np.bool_))
-    if bufs[0].shape[-1] < n:  # STATS_CHUNK changed (tests)
-        bufs = _local.rows = (np.empty((1, n), np.float64), np.empty((1, n), np.float32), np.empty((1, n), np.bool_))
-    return bufs[0][:, :n], bufs[1][:, :n], bufs[2][:, :n]
+        bufs = _local.blocks = (np.empty(_BLOCK_ELEMENTS, np.float64), np.empty(_BLOCK_ELEMENTS, np.float32),
+                                np.empty(_BLOCK_ELEMENTS, np.bool_))
+    return bufs
 
 
 def _np_add(dst: np.ndarray, src: np.ndarray) -> None:
     np.add(dst, src, out=dst)
+
+
+def _top_levels(n: int) -> int:
+    """Rows of the [rows, n // rows] view whose pairwise halving is the first levels of
+    :func:`_pairwise` over ``n`` elements: the largest power of two dividing ``n``, up to :data:`_TOP_ROWS`.
+
+    While the count is even each level adds the second half onto the first, that is row ``r + h``
+    of the view onto row ``r``, column by column; so those levels can run a column block at a
+    time, and the column sums then go through :func:`_pairwise` as the rest of the tree."""
+    rows = 1
+    while rows < _TOP_ROWS and n % (rows * 2) == 0:
+        rows *= 2
+    return rows
 
 
 def _rows(a: torch.Tensor, b: torch.Tensor | None) -> list[tuple[int, float, float, float]]:
@@ -232,14 +248,48 @@ def _f32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _np_row(x: np.ndarray, y: np.ndarray | None) -> tuple[int, float, float, float]:
-    sq, e, same = _np_buffers(x.shape[-1])
-    sa = float(_pairwise(np.square(x, dtype=np.float64, out=sq), _np_add)[0])  # widened, then squared: exact
-    if y is None:
-        return x.shape[1], sa, 0.0, 0.0
-    n_same = int(np.count_nonzero(np.equal(x.view(np.int32), y.view(np.int32), out=same)))
-    np.subtract(y, x, out=e)
-    mx = float(max(e.max(), -e.min())) if e.size else 0.0
-    return n_same, sa, float(_pairwise(np.square(e, dtype=np.float64, out=sq), _np_add)[0]), mx
+    """:func:`_rows`' figures of one float32 row [1, n] on the CPU, the sums by :func:`_pairwise`'s
+    tree to the bit: its top levels a column block at a time (:func:`_top_levels`), in cache."""
+    n = x.shape[-1]
+    if not n:
+        return 0, 0.0, 0.0, 0.0
+    rows = _top_levels(n)
+    cols = n // rows
+    xv = x.reshape(rows, cols)
+    yv = None if y is None else y.reshape(rows, cols)
+    width = max(1, _BLOCK_ELEMENTS // rows)
+    sq_buf, e_buf, same_buf = _np_buffers()
+    col_a = np.empty((1, cols), np.float64)
+    col_e = np.empty((1, cols), np.float64)
+    n_same, mx = 0, 0.0
+    for c in range(0, cols, width):
+        w = min(width, cols - c)
+        sq = sq_buf[:rows * w].reshape(rows, w)
+        np.square(xv[:, c:c + w], dtype=np.float64, out=sq)  # widened, then squared: exact
+        col_a[0, c:c + w] = _halve_rows(sq)
+        if yv is None:
+            continue
+        same = same_buf[:rows * w].reshape(rows, w)
+        n_same += int(np.count_nonzero(np.equal(xv[:, c:c + w].view(np.int32), yv[:, c:c + w].view(np.int32), out=same)))
+        e = e_buf[:rows * w].reshape(rows, w)
+        np.subtract(yv[:, c:c + w], xv[:, c:c + w], out=e)
+        mx = max(mx, float(e.max()), -float(e.min()))
+        np.square(e, dtype=np.float64, out=sq)
+        col_e[0, c:c + w] = _halve_rows(sq)
+    sa = float(_pairwise(col_a, _np_add)[0])
+    if yv is None:
+        return n, sa, 0.0, 0.0
+    return n_same, sa, float(_pairwise(col_e, _np_add)[0]), mx
+
+
+def _halve_rows(y: np.ndarray) -> np.ndarray:
+    """Row sums down a power-of-two count of rows [2^k, w], each level the second half added onto
+    the first (:func:`_pairwise`'s levels while its count is even): the first row, [w]."""
+    h = y.shape[0]
+    while h > 1:
+        h //= 2
+        np.add(y[:h], y[h:2 * h], out=y[:h])
+    return y[0]
 
 
 def _chunks(x: torch.Tensor) -> list[torch.Tensor]:
@@ -363,8 +413,9 @@ Entry = tuple[str, tuple[Any, ...], "str | None"]
 DECODE_ELEMENTS = 1 << 22
 #: Host bytes a unit's comparison holds on the CPU beside what it reads: a piece decoded to float32
 #: per side (``DECODE_ELEMENTS`` each) and the statistics' temporaries (per ``STATS_CHUNK``
-#: elements: the reused float64 squares, the float32 error, a BF16 tensor's chunks widened to
-#: float32, the equal-bits mask): one worker's units peaked up to 47 MiB over what they read. And
+#: elements: a BF16 tensor's chunks widened to float32; the squares, error and equal-bits mask were
+#: row-sized too when this was measured, and are a column block now, so it is headroom): one
+#: worker's units peaked up to 47 MiB over what they read. And
 #: half that again for the blocks the workers free between each other's in their one heap: four
 #: workers in a node-sized process (~500 MiB at the start, 2-core box, 2-layer wide fixture) peaked
 #: at 1040-1136 MiB charged the first part alone, 962-991 MiB (and no slower) charged this.
