@@ -206,11 +206,9 @@ def _top_levels(n: int) -> int:
 
     While the count is even each level adds the second half onto the first, that is row ``r + h``
     of the view onto row ``r``, column by column; so those levels can run a column block at a
-    time, and the column sums then go through :func:`_pairwise` as the rest of the tree."""
-    rows = 1
-    while rows < _TOP_ROWS and n % (rows * 2) == 0:
-        rows *= 2
-    return rows
+    time (:func:`_pairwise` down the block's columns), and the column sums then go through
+    :func:`_pairwise` as the rest of the tree."""
+    return min(n & -n, _TOP_ROWS)
 
 
 def _rows(a: torch.Tensor, b: torch.Tensor | None) -> list[tuple[int, float, float, float]]:
@@ -266,7 +264,7 @@ def _np_row(x: np.ndarray, y: np.ndarray | None) -> tuple[int, float, float, flo
         w = min(width, cols - c)
         sq = sq_buf[:rows * w].reshape(rows, w)
         np.square(xv[:, c:c + w], dtype=np.float64, out=sq)  # widened, then squared: exact
-        col_a[0, c:c + w] = _halve_rows(sq)
+        col_a[0, c:c + w] = _pairwise(sq.T, _np_add)
         if yv is None:
             continue
         same = same_buf[:rows * w].reshape(rows, w)
@@ -275,21 +273,11 @@ def _np_row(x: np.ndarray, y: np.ndarray | None) -> tuple[int, float, float, flo
         np.subtract(yv[:, c:c + w], xv[:, c:c + w], out=e)
         mx = max(mx, float(e.max()), -float(e.min()))
         np.square(e, dtype=np.float64, out=sq)
-        col_e[0, c:c + w] = _halve_rows(sq)
+        col_e[0, c:c + w] = _pairwise(sq.T, _np_add)
     sa = float(_pairwise(col_a, _np_add)[0])
     if yv is None:
         return n, sa, 0.0, 0.0
     return n_same, sa, float(_pairwise(col_e, _np_add)[0]), mx
-
-
-def _halve_rows(y: np.ndarray) -> np.ndarray:
-    """Row sums down a power-of-two count of rows [2^k, w], each level the second half added onto
-    the first (:func:`_pairwise`'s levels while its count is even): the first row, [w]."""
-    h = y.shape[0]
-    while h > 1:
-        h //= 2
-        np.add(y[:h], y[h:2 * h], out=y[:h])
-    return y[0]
 
 
 def _chunks(x: torch.Tensor) -> list[torch.Tensor]:
