@@ -53,6 +53,55 @@ def test_decode_is_bit_identical_to_transformers(fmt, dtype):
     assert torch.equal(ours.view(torch.uint8), theirs.contiguous().view(torch.uint8))
 
 
+
+def _every_nvfp4_combination(amaxes):
+    """NVFP4 parts whose expert x decodes every (scale byte, element-pair byte) combination with
+    the global factor amaxes[x] / 2688: row s has scale byte s in each of its 32 blocks, and its
+    256 weight bytes are 0..255."""
+    e = len(amaxes)
+    w = torch.arange(256, dtype=torch.uint8).expand(e, 256, 256).contiguous()
+    sc = torch.arange(256, dtype=torch.uint8).view(1, 256, 1).expand(e, 256, 32).contiguous()
+    return {WEIGHT: w, SCALE: sc.view(torch.float8_e4m3fn), AMAX: torch.tensor(amaxes, dtype=torch.float32),
+            DENOM: torch.tensor(NVFP4_DENOMINATOR)}
+
+
+# amax 2688: factor 1; 7.5: the release's typical range; 1e-38 (a float32 subnormal): products in
+# the BF16/F32 subnormals or rounded to zero; 1e-6: F16 subnormals; 1e38: past the largest F16.
+_AMAXES = [2688.0, 7.5, 1e-38, 1e-6, 3e-3, 1e38]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nvfp4_cpu_tables_give_the_reference_bits_for_every_combination(dtype):
+    """The CPU's per-expert tables against the reference's elementwise steps, bit for bit, NaN and
+    negative scale bytes included; and both against transformers' own dequantizer."""
+    from inkling_ckpt.formats.stacked import _decode_nvfp4_reference, _decode_nvfp4_tables, _factor
+
+    parts = _every_nvfp4_combination(_AMAXES)
+    factor = _factor((parts[AMAX], parts[DENOM].reshape(-1)))
+    tables = _decode_nvfp4_tables(parts[WEIGHT], parts[SCALE], factor, dtype)
+    reference = _decode_nvfp4_reference(parts[WEIGHT], parts[SCALE], factor, dtype)
+    assert torch.equal(tables.view(torch.uint8), reference.view(torch.uint8))
+    nan = torch.isnan(tables)
+    assert nan.any() and (dtype != torch.float16 or torch.isinf(tables).any())  # the extremes were reached
+    assert (tables == 0).any() and (tables.abs() < torch.finfo(dtype).tiny).logical_and(tables != 0).any()
+    ours = decode_stacked("nvfp4", parts, dtype, allow_nonfinite=True)
+    assert torch.equal(ours.view(torch.uint8), tables.view(torch.uint8))
+    theirs = _transformers_decode(parts, "nvfp4", dtype).contiguous()
+    # NaN where a scale byte is NaN (0x7F, 0xFF) in both, with other payloads in F16/F32 (theirs
+    # casts the byte to float32); every other value the same bits
+    assert torch.equal(nan, torch.isnan(theirs))
+    assert torch.equal(ours[~nan].view(torch.uint8), theirs[~nan].view(torch.uint8))
+
+
+def test_nvfp4_cpu_tables_read_strided_experts():
+    from inkling_ckpt.formats.stacked import _decode_nvfp4_reference, _decode_nvfp4_tables, _factor
+
+    parts = encode_stacked("nvfp4", _w(e=8, r=48, c=256), name="w")
+    w, sc = parts[WEIGHT][::2], parts[SCALE][::2]  # every other expert: not one contiguous run
+    factor = _factor((parts[AMAX][::2], parts[DENOM].reshape(-1)))
+    assert torch.equal(_decode_nvfp4_tables(w, sc, factor, torch.bfloat16).view(torch.int16),
+                       _decode_nvfp4_reference(w, sc, factor, torch.bfloat16).view(torch.int16))
+
 def test_nvfp4_denominator_accepted_as_vector_on_read():
     parts = encode_stacked("nvfp4", _w(), name="w")
     vec = dict(parts, **{DENOM: torch.full((6,), NVFP4_DENOMINATOR)})
