@@ -619,6 +619,16 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_resident_size_check_keeps_a_reserve_on_a_gpu():
+    from inkling_ckpt.pipeline.executor import DEFAULT_PEAK_RSS_BYTES, GPU_RESERVE_BYTES
+
+    assert Executor(Options(device="cuda", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES - GPU_RESERVE_BYTES
+    assert Executor(Options(device="cpu", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES
+    assert Executor(Options(device="cuda", memory_bytes=2**30, progress=False)).peak_rss_bytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_every_command_writes_the_cpu_bytes_on_the_gpu(cli, tmp_path):
     """--device cuda (reads straight onto the GPU, the codecs' kernels there) against --device cpu."""
     for device in ("cpu", "cuda"):
