@@ -53,6 +53,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -103,7 +104,7 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
     bc.settle(*inputs)
     # From inside ``code``: `python -m` puts the working folder first on sys.path, ahead of PYTHONPATH,
     # so run from another checkout's root a step would import that checkout instead.
-    p = subprocess.run(wrapper, env=_code_env(code), capture_output=True, text=True, cwd=code)
+    p = _run_group(wrapper, env=_code_env(code), cwd=code)
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     info = json.loads(p.stdout.rsplit("BENCH ", 1)[1])
@@ -124,6 +125,24 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
     if ranks:
         gpu = max(gpu, max(r.get("peak_gpu_bytes", 0) for r in ranks))
     return {"seconds": info["wall"], "peak_rss": info["rss"], "peak_gpu": gpu, "line": first, "rank_stats": ranks}
+
+
+def _run_group(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` in a process group of its own that is
+    killed whole if this run stops first (an error, Ctrl-C, or a SIGTERM from ``timeout``): the
+    wrapper's step must not run on beside the next steps and spoil their timings."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = p.communicate()
+    except BaseException:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def _term_as_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def folder_bytes(p: Path) -> int:
@@ -476,6 +495,7 @@ def main() -> None:
                     help="run each step under py-spy (pip install py-spy), sampled stacks of every thread into DIR; "
                          "the sampling slows the steps a little")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _term_as_exit)  # unwinds through _run_group, which kills the step
     if "all" in args.commands:
         args.commands = [*COMMANDS, *MORE_COMMANDS]
     res = grid(args) if args.mode == "grid" else full_layer(args)
