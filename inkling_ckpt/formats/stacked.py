@@ -479,8 +479,8 @@ def _decode_values(w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor
     """(decoded [E, R, C] on w's device, with ``check`` a one-element device tensor, non-zero where
     some scale byte is one no quantizer writes or some NVFP4 factor is not finite and > 0, else
     None) for NVFP4 with ``scale2`` = (amax [E], denominator [1] or [E]) on w's device, or MXFP8
-    where ``scale2`` is None. The kernels where they apply (no host synchronization), else the
-    reference."""
+    where ``scale2`` is None. The kernels where they apply (no host synchronization); on the CPU
+    NVFP4 by per-expert tables (the reference's bits); else the reference."""
     e, r, cw = w.shape
     cols = cw if scale2 is None else cw * 2
     fname = "mxfp8" if scale2 is None else "nvfp4"
