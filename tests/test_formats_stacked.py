@@ -53,7 +53,6 @@ def test_decode_is_bit_identical_to_transformers(fmt, dtype):
     assert torch.equal(ours.view(torch.uint8), theirs.contiguous().view(torch.uint8))
 
 
-
 def _every_nvfp4_combination(amaxes):
     """NVFP4 parts whose expert x decodes every (scale byte, element-pair byte) combination with
     the global factor amaxes[x] / 2688: row s has scale byte s in each of its 32 blocks, and its
@@ -101,6 +100,7 @@ def test_nvfp4_cpu_tables_read_strided_experts():
     factor = _factor((parts[AMAX][::2], parts[DENOM].reshape(-1)))
     assert torch.equal(_decode_nvfp4_tables(w, sc, factor, torch.bfloat16).view(torch.int16),
                        _decode_nvfp4_reference(w, sc, factor, torch.bfloat16).view(torch.int16))
+
 
 def test_nvfp4_denominator_accepted_as_vector_on_read():
     parts = encode_stacked("nvfp4", _w(), name="w")

@@ -23,6 +23,7 @@ expert by expert. Decoding follows transformers' ``Inkling2LoopDequantizeExperts
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -546,34 +547,29 @@ def _decode_nvfp4_tables(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor
         return out
     bits = _PAIR_BITS[dtype.itemsize]
     products = _scaled_pairs()
+    pair_bytes = NVFP4_BLOCK // 2  # weight bytes of a block
     step = min(blocks, _TABLE_STEP_BLOCKS)
-    index = np.empty((step, NVFP4_BLOCK // 2), dtype=np.int32)
+    index = np.empty((step, pair_bytes), dtype=np.int32)
     index_t = torch.from_numpy(index).view(-1)  # the same memory: numpy builds it, torch gathers with it
     shifted = np.empty(step, dtype=np.int32)
-    factor = factor.to(torch.float32)
     for x in range(e):
         table = torch.mul(products, factor[x]).to(dtype).view(bits).view(-1)
-        wb = w[x].reshape(blocks, NVFP4_BLOCK // 2).numpy()
+        wb = w[x].reshape(blocks, pair_bytes).numpy()
         sb = sc[x].view(torch.uint8).reshape(blocks).numpy()
         ob = out[x].view(-1).view(bits)
         for b0 in range(0, blocks, step):
             n = min(step, blocks - b0)
             np.left_shift(sb[b0:b0 + n], 8, out=shifted[:n], dtype=np.int32)
             np.add(wb[b0:b0 + n], shifted[:n, None], out=index[:n])
-            torch.index_select(table, 0, index_t[:n * (NVFP4_BLOCK // 2)],
-                               out=ob[b0 * (NVFP4_BLOCK // 2):(b0 + n) * (NVFP4_BLOCK // 2)])
+            torch.index_select(table, 0, index_t[:n * pair_bytes], out=ob[b0 * pair_bytes:(b0 + n) * pair_bytes])
     return out
 
 
-_SCALED_PAIRS: list[torch.Tensor] = []
-
-
+@functools.cache
 def _scaled_pairs() -> torch.Tensor:
-    """float32 [256 scale bytes, 256 pair bytes, 2]: E2M1 pair times the E4M3 scale (exact), cached."""
-    if not _SCALED_PAIRS:
-        cpu = torch.device("cpu")
-        _SCALED_PAIRS.append(_pair_table(cpu).view(1, 256, 2) * decode_table(E4M3, cpu).view(256, 1, 1))
-    return _SCALED_PAIRS[0]
+    """float32 [256 scale bytes, 256 pair bytes, 2]: E2M1 pair times the E4M3 scale (exact)."""
+    cpu = torch.device("cpu")
+    return _pair_table(cpu).view(1, 256, 2) * decode_table(E4M3, cpu).view(256, 1, 1)
 
 
 def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor, torch.Tensor] | None,
