@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from inkling_ckpt.errors import FormatError, NonFiniteError
 from inkling_ckpt.formats import fake_quant, get_format, nvfp4_global_scale
-from inkling_ckpt.formats.nvfp4 import NVFP4Format, round_e2m1_fast, round_e2m1_reference
+from inkling_ckpt.formats.nvfp4 import NVFP4Format, _e2m1_signed_codes, round_e2m1_fast, round_e2m1_reference
 
 BF = torch.bfloat16
 NV = get_format("nvfp4")
@@ -245,6 +245,44 @@ def test_round_e2m1_fast_equals_reference_on_dense_bit_patterns():
     y = torch.cat([pats.view(torch.float32), _edge_floats()])
     y = torch.cat([y, -y])
     assert torch.equal(round_e2m1_fast(y.clone()), round_e2m1_reference(y))
+
+
+def test_signed_code_table_on_every_case():
+    # Each table entry is one (bits >> 21, low 21 bits non-zero) case: these patterns reach every
+    # entry (both signs, every exponent, every pair of top mantissa bits, low bits zero / not),
+    # NaN excepted (the encoder replaces it first). Expected: the reference's magnitude code with
+    # y's sign bit as the sign nibble bit (-0.0 included: the encoder has mapped x = -0.0 to +0.0).
+    hi = torch.arange(0, 1 << 11, dtype=torch.int64) << 21
+    lows = torch.tensor([0, 1, 0x1000, (1 << 21) - 1], dtype=torch.int64)
+    pats = (hi.unsqueeze(1) | lows).flatten()
+    y = torch.cat([pats, pats - (1 << 31)]).to(torch.int32).view(torch.float32)  # and with the sign bit set
+    y = y[~y.isnan()]
+    want = round_e2m1_reference(y) | (torch.signbit(y).to(torch.uint8) << 3)
+    got = _e2m1_signed_codes(y.clone())
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+    assert set(got.tolist()) == set(range(16))
+
+
+def test_underflow_keeps_the_sign_and_negative_zero_does_not():
+    # a block spanning > 2^150: x / scale underflows to -0.0 for the tiny negative (code 0x8),
+    # while an exact -0.0 stays 0x0, in the fast encoder as in the reference
+    x = torch.tensor([[6e30, -1e-44, -0.0, 1e-44, -(2.0**-149), 0.0] + [-0.0] * 10], dtype=torch.float32)
+    a, b = NV.encode(x), REF.encode(x)
+    assert nibbles(a["weight"])[:6] == nibbles(b["weight"])[:6] == [0x7, 0x8, 0x0, 0x0, 0x8, 0x0]
+    assert torch.equal(a["weight"], b["weight"])
+
+
+def test_fast_encoder_equals_reference_on_nonfinite_blocks():
+    # NaN payloads up to 0x7FFFFFFF (their table index would overflow) sit in blocks that are zeroed
+    x = torch.randn(4, 64)
+    x.view(torch.int32)[0, 3] = 0x7FFFFFFF
+    x.view(torch.int32)[1, 20] = -1  # NaN, sign bit set, every payload bit
+    x[2, 40] = float("-inf")
+    a, b = NV.encode(x, allow_nonfinite=True), REF.encode(x, allow_nonfinite=True)
+    for k in a:
+        assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+    nan_blocks = (a["weight_scale"].view(torch.uint8) == 0x7F).nonzero().tolist()
+    assert nan_blocks == [[0, 0], [1, 1], [2, 2]]  # the blocks holding them, and only those
 
 
 @settings(max_examples=200, deadline=None)

@@ -37,6 +37,7 @@ Policies this module decides (not covered by ModelOpt, which yields NaN scales h
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,7 +54,6 @@ from ._base import (
     check_input,
     check_out_dtype,
     check_width,
-    negative_nonzero_bit,
     raise_nonfinite,
     require_parts,
     row_chunks,
@@ -112,39 +112,54 @@ def round_e2m1_reference(y: torch.Tensor) -> torch.Tensor:
     return code
 
 
-# The fast rounding, in float32 bit fields (sign 1, exponent 8, mantissa 23). The E2M1 grid
-# has step 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]: step = 2^(max(e, 0) - 1) with e the
-# unbiased exponent. Adding M = step * 2^23 to |y| makes the float adder round |y| to a
-# multiple of step, ties to even (one IEEE rounding, exactly RNE on the grid), and leaves the
-# number of steps in the low mantissa bits of the sum: code = steps + 2 * max(e, 0).
-_E_FLOOR = 127  # biased exponent of 1.0: below it the grid step stays 0.5 (E2M1 subnormals)
-_M_EXP_OFFSET = 22  # M's biased exponent is max(E, 127) + 22, i.e. M = step * 2^23
-_CODE_BIAS = 298  # (M_bits >> 22) = 2 * (E + 22); code offset 2 * (E - 127) = that - 298
+# The fast rounding, by table. Every E2M1 decision point (0.25, 0.75, ..., 5) is a float32 whose low
+# 21 bits are zero, so a code depends only on ``f = bits >> 21`` (sign, exponent, two mantissa
+# bits) and on whether the low 21 bits are non-zero (a tie against a decision point or just above
+# it). ``c = (bits + 2^21 - 1) >> 21`` is ``f`` plus that flag, so ``f + c`` (mod 4096) indexes a
+# table of every case, signed codes included: two shifts, two adds and a mask per element, and one
+# gather, where the comparisons or bit arithmetic with conversions took ~20 passes. The table is
+# built by the reference rounding itself, from one representative float per entry.
+_CODE_SHIFT = 21
+_LOW_ONES = (1 << _CODE_SHIFT) - 1
+_CODE_INDEX_MASK = 4095  # f + c lies in [-2048, 2047]; the mask maps it onto the table
 
 
-def _e2m1_codes_i32(y: torch.Tensor) -> torch.Tensor:
-    """int32 magnitude codes 0..7 of float32 ``y`` (overwritten; the result shares its storage)."""
-    a = y.abs_()
-    a.clamp_(max=E2M1_MAX).nan_to_num_(nan=E2M1_MAX)  # saturate; NaN -> 6 like the reference
-    m = a.view(torch.int32) >> 23  # biased exponent E (a >= 0)
-    m.clamp_(min=_E_FLOOR)
-    m += _M_EXP_OFFSET
-    m <<= 23  # bits of M = 2^(max(E,127) - 127 + 22): ulp of M is the grid step
-    a += m.view(torch.float32)  # the rounding (RNE)
-    code = a.view(torch.int32)
-    code -= m  # number of steps above M
-    m >>= 22
-    m -= _CODE_BIAS  # 2 * (max(E,127) - 127)
-    code += m
-    return code
+@functools.cache
+def _signed_code_table() -> torch.Tensor:
+    """uint8 [4096]: entry ``(f + c) & 4095`` (see above) -> the signed E2M1 code (sign nibble bit: y's sign bit)."""
+    s = torch.arange(4096, dtype=torch.int64)
+    s = torch.where(s < 2048, s, s - 4096)  # 2 * (bits >> 21) + (low bits non-zero), signed
+    neg = s < 0
+    hi = (s + torch.where(neg, 2048, 0)) >> 1  # the magnitude's bits >> 21
+    rep = ((hi << _CODE_SHIFT) | (s & 1)).to(torch.int32).view(torch.float32)  # a magnitude in that case
+    return (round_e2m1_reference(rep) | (neg.to(torch.uint8) << 3)).contiguous()
+
+
+def _e2m1_signed_codes(y: torch.Tensor, f: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 signed E2M1 codes (same shape) of float32 ``y`` (overwritten), the sign nibble bit from y's sign bit.
+
+    Magnitudes round as :func:`round_e2m1_reference`. ``y`` must hold no NaN: the index of a NaN
+    with a large payload overflows (the encoder replaces NaN first; its blocks are zeroed later).
+    ``f``: a reused int32 buffer of y's size (a fresh one when not given).
+    """
+    yi = y.view(torch.int32)
+    f = torch.bitwise_right_shift(yi, _CODE_SHIFT, out=f if f is not None else torch.empty_like(yi))
+    yi += _LOW_ONES  # no overflow below NaN's bit patterns
+    yi >>= _CODE_SHIFT
+    yi += f
+    yi &= _CODE_INDEX_MASK
+    # (index_select into a given buffer ran at half the speed of a fresh result on the CPU)
+    return _signed_code_table().to(y.device).index_select(0, yi.reshape(-1)).view(y.shape)
 
 
 def round_e2m1_fast(y: torch.Tensor) -> torch.Tensor:
-    """Same result as :func:`round_e2m1_reference` (bit-for-bit, tested), without comparisons.
+    """Same result as :func:`round_e2m1_reference` (bit-for-bit, tested), by the table above.
 
-    ``y`` must be float32 and is overwritten. See the comment above for the method.
+    ``y`` must be float32 and is overwritten.
     """
-    return _e2m1_codes_i32(y).to(torch.uint8)
+    a = y.abs_()
+    a.masked_fill_(a.isnan(), E2M1_MAX)  # NaN counts as beyond the grid, as the reference
+    return _e2m1_signed_codes(a)
 
 
 def _pack_nibbles_reference(codes: torch.Tensor) -> torch.Tensor:
@@ -275,13 +290,17 @@ class NVFP4Format(Format):
         scale = torch.empty((rows, nb), dtype=torch.float8_e4m3fn, device=x2.device)
         six_s2 = s2 * E2M1_MAX  # fl32(6 * s2) first, as ModelOpt
         e4m3_table = decode_table(E4M3, x2.device)
+        if self.fast:  # the chunks' temporaries, reused: fresh ones cost page faults each chunk
+            step = next(row_chunks(rows, width))[1] * width
+            y_buf = torch.empty(step, dtype=torch.float32, device=x2.device)
+            f_buf = torch.empty(step, dtype=torch.int32, device=x2.device)
         for r0, r1 in row_chunks(rows, width):
             n = r1 - r0
             xb = x2[r0:r1].view(n, nb, BLOCK)
             if bamax_all is not None:
                 bamax = bamax_all[r0:r1]
             elif self.fast:
-                bamax = block_amax_bits(xb)
+                bamax = block_amax_bits(xb, f_buf if xb.dtype == torch.float32 else None)
             else:
                 bamax = xb.abs().amax(dim=-1).float()  # exact: abs and max do not round
             bad = None
@@ -298,13 +317,19 @@ class NVFP4Format(Format):
             else:
                 sbf = sb8.float()
             eff = sbf * s2  # fl32(f32(sb) * s2), before the division
-            y = xb / eff.unsqueeze(-1)  # float32 (type promotion), one IEEE division
             out = weight[r0:r1]
             if self.fast:
-                codes = _e2m1_codes_i32(y).to(torch.uint8)
-                codes |= negative_nonzero_bit(xb, 3)  # sign nibble bit: x < 0, not -0.0
+                # x + 0.0 turns -0.0 into +0.0 and nothing else, so after the division y's sign bit
+                # is the contract's x < 0 (a negative x that underflows keeps it: code 0x8)
+                m = n * width
+                y = y_buf[:m].view(xb.shape).copy_(xb).add_(0.0)  # (faster than one add into a float32 out)
+                y.div_(eff.unsqueeze(-1))  # the same IEEE division as the reference's
+                if bad is not None:
+                    y.masked_fill_(y.isnan(), 0.0)  # those blocks are zeroed below
+                codes = _e2m1_signed_codes(y, f_buf[:m].view(xb.shape))
                 _pack_codes_u8_into(codes.view(n, width), out)
             else:
+                y = xb / eff.unsqueeze(-1)  # float32 (type promotion), one IEEE division
                 codes = round_e2m1_reference(y)
                 codes |= (xb < 0).to(torch.uint8) << 3
                 out.copy_(_pack_nibbles_reference(codes.view(n, width)))
