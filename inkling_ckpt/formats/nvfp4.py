@@ -291,7 +291,7 @@ class NVFP4Format(Format):
         six_s2 = s2 * E2M1_MAX  # fl32(6 * s2) first, as ModelOpt
         e4m3_table = decode_table(E4M3, x2.device)
         if self.fast:  # the chunks' temporaries, reused: fresh ones cost page faults each chunk
-            step = next(row_chunks(rows, width))[1] * width
+            step = next(row_chunks(rows, width), (0, 0))[1] * width  # no rows: no chunks, empty buffers
             y_buf = torch.empty(step, dtype=torch.float32, device=x2.device)
             f_buf = torch.empty(step, dtype=torch.int32, device=x2.device)
         for r0, r1 in row_chunks(rows, width):
