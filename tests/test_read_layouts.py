@@ -281,3 +281,36 @@ def test_forward_mode_names_the_layout_it_cannot_run(cli, made, side):
     assert str(made[side]) in err and ("torch_dist" in err if side == "mg" else "sharded" in err)
     assert "does not apply with --forward" in _one_line_error(cli, "verify", TINY["mixed"], made["mg"], "--forward",
                                                               "--config", TINY["mixed"], "-q")
+
+
+def test_reads_ask_the_kernel_ahead_once_and_return_the_same_bytes(tmp_path, monkeypatch):
+    """read_exact hints each read's range and READ_AHEAD_BYTES past it (POSIX_FADV_WILLNEED), asks
+    nothing twice for one file, starts over on a jump back, and reads the file's bytes unchanged,
+    also where the kernel refuses the hint."""
+    import os
+
+    from inkling_ckpt.layouts import pread
+
+    data = bytes(range(256)) * 4096  # 1 MiB
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(pread, "READ_AHEAD_BYTES", 1000)
+    monkeypatch.setattr(pread, "_advised", {})
+    monkeypatch.setattr(pread, "_FADVISE", lambda fd, off, n, how: asked.append((off, n)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert bytes(pread.read_exact(fd, 0, 500, "t").numpy()) == data[:500]
+        assert bytes(pread.read_exact(fd, 500, 500, "t").numpy()) == data[500:1000]  # only the part beyond
+        assert bytes(pread.read_exact(fd, 1000, 2000, "t").numpy()) == data[1000:3000]
+        assert bytes(pread.read_exact(fd, 100, 10, "t").numpy()) == data[100:110]  # inside again
+        assert bytes(pread.read_exact(fd, 50_000, 10, "t").numpy()) == data[50_000:50_010]  # a jump: anew
+        assert asked == [(0, 1500), (1500, 500), (2000, 2000), (50_000, 1010)]
+
+        def refuse(fd, off, n, how):
+            raise OSError(29, "Illegal seek")
+
+        monkeypatch.setattr(pread, "_FADVISE", refuse)
+        assert bytes(pread.read_exact(fd, 200_000, 4096, "t").numpy()) == data[200_000:204_096]
+    finally:
+        os.close(fd)

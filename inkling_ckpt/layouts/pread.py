@@ -33,6 +33,7 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     object) is fed the bytes in order as they pass. A file that ends first raises
     ``CheckpointError(truncated)``; an ``OSError`` is the caller's to name.
     """
+    advise_ahead(fd, offset, count)
     dev = off_host(device)
     if dev is not None:
         return _read_to_device(fd, offset, count, truncated, dev, hasher)
@@ -42,6 +43,48 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     if hasher is not None:
         hasher.update(view)
     return buf
+
+
+#: Bytes past a read that :func:`advise_ahead` asks the kernel to fetch: about the next unit's reads,
+#: since the commands' units run forward through their files.
+READ_AHEAD_BYTES = 64 << 20
+
+_advised: dict[tuple[int, int], tuple[int, int]] = {}  # (device, inode) -> the byte range asked for last
+_advised_lock = threading.Lock()
+_FADVISE = getattr(os, "posix_fadvise", None)  # not on macOS or Windows: there reads are just not hinted
+
+
+def advise_ahead(fd: int, offset: int, count: int) -> None:
+    """Ask the kernel to fetch bytes ``offset:offset+count`` of an open file and
+    :data:`READ_AHEAD_BYTES` past them into the page cache now, asynchronously (``POSIX_FADV_WILLNEED``).
+
+    Why: a plain ``pread`` of a cold slice fetches it a readahead window (often 128 KiB) at a time and
+    the worker waits through each, and nothing is fetched for the next unit while this one computes
+    (on the node's CPU runs a third of the workers' time was ``pread``). The hint submits the whole
+    range at once and overlaps the next unit's reads with this one's work. It costs page cache (not
+    the process's resident size) and never changes a byte read. What a file was already asked for is
+    not asked again. A hint the kernel refuses (a pipe, a filesystem without readahead) changes
+    nothing but speed, so its error is dropped: the read that follows reports real failures."""
+    if _FADVISE is None or count <= 0:
+        return
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return  # the read itself names the problem
+    key = (st.st_dev, st.st_ino)
+    end = offset + count + READ_AHEAD_BYTES
+    with _advised_lock:
+        lo, hi = _advised.get(key, (0, 0))
+        if lo <= offset and end <= hi:
+            return
+        start = hi if lo <= offset < hi else offset  # inside the last range: only what lies beyond it
+        if len(_advised) >= 4096:
+            _advised.clear()
+        _advised[key] = (min(lo, offset) if lo <= offset < hi else offset, end)
+    try:
+        _FADVISE(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, truncated: str) -> None:

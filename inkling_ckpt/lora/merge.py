@@ -35,7 +35,7 @@ from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, de
 from ..layouts.hf import INDEX
 from ..layouts.lane import Lane
 from ..layouts.paths import check_dst, copy_new, inside, open_regular, pass_through
-from ..layouts.pread import TensorFile, write_from
+from ..layouts.pread import TensorFile, read_exact, write_from
 from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
@@ -409,13 +409,10 @@ class _Merger:
             raise ValueError(f"lora merge: step {unit.key} has no tensor")  # a planning bug, not bad input
         return self.linear(s.unit, s.lo, s.hi) if s.kind == "linear" else self.experts(s.unit, s.lo, s.hi)
 
-    def _read(self, f: str, a: int, b: int) -> bytes:
-        with open_regular(self.base.root / f) as src:
-            src.seek(a)
-            data = src.read(b - a)
-        if len(data) != b - a:
-            raise CheckpointError(f"{self.base.root / f}: truncated")
-        return data
+    def _read(self, f: str, a: int, b: int) -> memoryview:
+        # positioned reads (read_exact): no buffered copy, and the kernel is asked ahead as for the tensors
+        with open_regular(self.base.root / f, buffering=0) as src:
+            return _bytes(read_exact(src.fileno(), a, b - a, f"{self.base.root / f}: truncated"))
 
     def factor(self, u: _Unit, k: tuple[int, str], first: int | None = None, last: int | None = None) -> torch.Tensor:
         """An adapter factor (or rows ``first:last`` of one) in float32; non-finite values refused."""
