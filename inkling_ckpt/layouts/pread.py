@@ -77,10 +77,11 @@ def advise_ahead(fd: int, offset: int, count: int) -> None:
         lo, hi = _advised.get(key, (0, 0))
         if lo <= offset and end <= hi:
             return
-        start = hi if lo <= offset < hi else offset  # inside the last range: only what lies beyond it
+        inside = lo <= offset < hi  # then only what lies beyond the last range is asked for
+        start = hi if inside else offset
         if len(_advised) >= 4096:
             _advised.clear()
-        _advised[key] = (min(lo, offset) if lo <= offset < hi else offset, end)
+        _advised[key] = (lo if inside else offset, end)
     try:
         _FADVISE(fd, start, end - start, os.POSIX_FADV_WILLNEED)
     except OSError:
