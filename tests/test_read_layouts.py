@@ -284,20 +284,31 @@ def test_forward_mode_names_the_layout_it_cannot_run(cli, made, side):
 
 
 def test_reads_ask_the_kernel_ahead_once_and_return_the_same_bytes(tmp_path, monkeypatch):
-    """read_exact hints each read's range and READ_AHEAD_BYTES past it (POSIX_FADV_WILLNEED), asks
-    nothing twice for one file, starts over on a jump back, and reads the file's bytes unchanged,
-    also where the kernel refuses the hint."""
+    """read_exact hints each read's range (from the reading thread) and READ_AHEAD_BYTES past it
+    (from the background thread), in pieces of HINT_CHUNK_BYTES (the kernel drops what lies beyond
+    its window in one call), asks nothing twice for one file, starts over on a jump back, closes
+    every descriptor it borrowed, and reads the file's bytes unchanged, also where the kernel
+    refuses the hint."""
     import os
+    import threading
 
     from inkling_ckpt.layouts import pread
 
     data = bytes(range(256)) * 4096  # 1 MiB
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    asked: list[tuple[int, int]] = []
+    asked: list[tuple[int, int, bool]] = []  # (offset, count, from the reading thread)
+    reader = threading.get_ident()
     monkeypatch.setattr(pread, "READ_AHEAD_BYTES", 1000)
+    monkeypatch.setattr(pread, "HINT_CHUNK_BYTES", 700)
     monkeypatch.setattr(pread, "_advised", {})
-    monkeypatch.setattr(pread, "_FADVISE", lambda fd, off, n, how: asked.append((off, n)))
+    monkeypatch.setattr(pread, "_FADVISE",
+                        lambda fd, off, n, how: asked.append((off, n, threading.get_ident() == reader)))
+
+    def pieces(a: int, b: int, own: bool) -> list[tuple[int, int, bool]]:
+        return [(o, min(700, b - o), own) for o in range(a, b, 700)]
+
+    open_fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     fd = os.open(path, os.O_RDONLY)
     try:
         assert bytes(pread.read_exact(fd, 0, 500, "t").numpy()) == data[:500]
@@ -306,12 +317,19 @@ def test_reads_ask_the_kernel_ahead_once_and_return_the_same_bytes(tmp_path, mon
         assert bytes(pread.read_exact(fd, 100, 10, "t").numpy()) == data[100:110]  # inside again
         assert bytes(pread.read_exact(fd, 50_000, 10, "t").numpy()) == data[50_000:50_010]  # a jump: anew
         assert bytes(pread.read_exact(fd, 100, 10, "t").numpy()) == data[100:110]  # a jump back: anew
-        assert asked == [(0, 1500), (1500, 500), (2000, 2000), (50_000, 1010), (100, 1010)]
+        pread._ahead.join()
+        want = [*pieces(0, 500, True), *pieces(500, 1500, False), *pieces(1500, 2000, False),
+                *pieces(2000, 3000, True), *pieces(3000, 4000, False), *pieces(50_000, 50_010, True),
+                *pieces(50_010, 51_010, False), *pieces(100, 110, True), *pieces(110, 1110, False)]
+        assert sorted(asked) == sorted(want)
 
         def refuse(fd, off, n, how):
             raise OSError(29, "Illegal seek")
 
         monkeypatch.setattr(pread, "_FADVISE", refuse)
         assert bytes(pread.read_exact(fd, 200_000, 4096, "t").numpy()) == data[200_000:204_096]
+        pread._ahead.join()
     finally:
         os.close(fd)
+    if open_fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == open_fds  # the background thread's duplicates closed
