@@ -308,6 +308,7 @@ def test_reads_ask_the_kernel_ahead_once_and_return_the_same_bytes(tmp_path, mon
     def pieces(a: int, b: int, own: bool) -> list[tuple[int, int, bool]]:
         return [(o, min(700, b - o), own) for o in range(a, b, 700)]
 
+    pread._ahead.join()  # earlier tests' requests
     open_fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
     fd = os.open(path, os.O_RDONLY)
     try:
