@@ -334,3 +334,38 @@ def test_reads_ask_the_kernel_ahead_once_and_return_the_same_bytes(tmp_path, mon
         os.close(fd)
     if open_fds is not None:
         assert len(os.listdir("/proc/self/fd")) == open_fds  # the background thread's duplicates closed
+
+
+def test_read_ahead_requests_beyond_the_limit_are_dropped_and_their_descriptors_closed(tmp_path, monkeypatch):
+    """While the background thread is held up (a full device queue), requests past _AheadThread.LIMIT
+    are dropped at once rather than waited on, and every duplicated descriptor is closed."""
+    import os
+    import threading
+
+    from inkling_ckpt.layouts import pread
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("counts descriptors through /proc")
+    release = threading.Event()
+    done: list[tuple[int, int]] = []
+
+    def slow(fd, start, end):
+        release.wait(10)
+        done.append((start, end))
+
+    monkeypatch.setattr(pread, "_hint", slow)
+    ahead = pread._AheadThread()
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 100)
+    pread._ahead.join()
+    before = len(os.listdir("/proc/self/fd"))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for i in range(ahead.LIMIT + 10):  # the thread takes one or none and waits; LIMIT queue; the rest dropped
+            ahead.submit(fd, i, i + 1)
+    finally:
+        os.close(fd)
+    release.set()
+    ahead.join()
+    assert ahead.LIMIT <= len(done) <= ahead.LIMIT + 1 and done == sorted(done)
+    assert len(os.listdir("/proc/self/fd")) == before
