@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import threading
 from pathlib import Path
 from typing import Any, Callable
@@ -34,7 +33,6 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     object) is fed the bytes in order as they pass. A file that ends first raises
     ``CheckpointError(truncated)``; an ``OSError`` is the caller's to name.
     """
-    advise_ahead(fd, offset, count)
     dev = off_host(device)
     if dev is not None:
         return _read_to_device(fd, offset, count, truncated, dev, hasher)
@@ -44,107 +42,6 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     if hasher is not None:
         hasher.update(view)
     return buf
-
-
-#: Bytes past a read that :func:`advise_ahead` asks the kernel to fetch: about the next unit's reads,
-#: since the commands' units run forward through their files.
-READ_AHEAD_BYTES = 64 << 20
-#: The most bytes one ``POSIX_FADV_WILLNEED`` call asks for. The kernel fetches at most its readahead
-#: window per call (the larger of the device's ``read_ahead_kb`` and its largest request) and drops
-#: the rest without a word: on the 2-core box one 256 MiB hint fetched 8 MiB, the same range in
-#: pieces of 128 KiB to 8 MiB all of it, at the same cost. 128 KiB is the usual smallest window.
-HINT_CHUNK_BYTES = 128 << 10
-
-_advised: dict[tuple[int, int], tuple[int, int]] = {}  # (device, inode) -> the byte range asked for last
-_advised_lock = threading.Lock()
-_FADVISE = getattr(os, "posix_fadvise", None)  # not on macOS or Windows: there reads are just not hinted
-
-
-def _hint(fd: int, start: int, end: int) -> None:
-    """Ask for bytes ``start:end`` in pieces the kernel fetches whole; a refused hint ends it (only speed is lost)."""
-    try:
-        for at in range(start, end, HINT_CHUNK_BYTES):
-            _FADVISE(fd, at, min(HINT_CHUNK_BYTES, end - at), os.POSIX_FADV_WILLNEED)  # type: ignore[misc]
-    except OSError:
-        pass
-
-
-class _AheadThread:
-    """Asks for the bytes past the reads on one background thread: a hint waits while the device's
-    queue is full, and the workers should not wait on the next unit's reads. Each request holds its
-    own duplicate of the file descriptor (the reader may close its own at once); when requests pile
-    up beyond :attr:`LIMIT` new ones are dropped, which costs nothing but speed."""
-
-    LIMIT = 64
-
-    def __init__(self) -> None:
-        self._queue: queue.Queue[tuple[int, int, int]] = queue.Queue(self.LIMIT)
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-
-    def submit(self, fd: int, start: int, end: int) -> None:
-        try:
-            own = os.dup(fd)
-        except OSError:
-            return
-        with self._start_lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="inkling-read-ahead", daemon=True)
-                self._thread.start()
-        try:
-            self._queue.put_nowait((own, start, end))
-        except queue.Full:
-            os.close(own)
-
-    def join(self) -> None:
-        """Wait until every request so far has been asked (tests)."""
-        self._queue.join()
-
-    def _run(self) -> None:
-        while True:
-            fd, start, end = self._queue.get()
-            try:
-                _hint(fd, start, end)
-            finally:
-                os.close(fd)
-                self._queue.task_done()
-
-
-_ahead = _AheadThread()
-
-
-def advise_ahead(fd: int, offset: int, count: int) -> None:
-    """Ask the kernel to fetch bytes ``offset:offset+count`` of an open file and
-    :data:`READ_AHEAD_BYTES` past them into the page cache now (``POSIX_FADV_WILLNEED``): the read's
-    own bytes from this thread, the bytes past them from a background thread.
-
-    Why: a plain ``pread`` of a cold slice fetches it a readahead window (often 128 KiB) at a time and
-    the worker waits through each, and nothing is fetched for the next unit while this one computes
-    (on the node's CPU runs a third of the workers' time was ``pread``). The hint submits the whole
-    range at once and overlaps the next unit's reads with this one's work. It costs page cache (not
-    the process's resident size) and never changes a byte read. What a file was already asked for is
-    not asked again. A hint the kernel refuses (a pipe, a filesystem without readahead) changes
-    nothing but speed, so its error is dropped: the read that follows reports real failures."""
-    if _FADVISE is None or count <= 0:
-        return
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return  # the read itself names the problem
-    key = (st.st_dev, st.st_ino)
-    end = offset + count + READ_AHEAD_BYTES
-    with _advised_lock:
-        lo, hi = _advised.get(key, (0, 0))
-        if lo <= offset and end <= hi:
-            return
-        inside = lo <= offset < hi  # then only what lies beyond the last range is asked for
-        start = hi if inside else offset
-        if len(_advised) >= 4096:
-            _advised.clear()
-        _advised[key] = (lo if inside else offset, end)
-    own_end = max(start, offset + count)
-    _hint(fd, start, own_end)  # this read waits for these bytes anyway: all of them submitted at once
-    _ahead.submit(fd, own_end, end)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, truncated: str) -> None:
