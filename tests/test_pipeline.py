@@ -181,13 +181,17 @@ def test_a_finished_unit_is_charged_what_it_writes():
 
 def test_the_default_budget_keeps_the_process_near_one_gib():
     """--memory-mb 0: the budget is what is left of 1 GiB beside the process's own size at the
-    start (less what a run holds uncounted), never under 256 MiB nor over 768 MiB."""
+    start (less what a run holds uncounted, and on a GPU what the process grows by), never under
+    256 MiB (128 MiB on a GPU) nor over 768 MiB."""
     from inkling_ckpt.pipeline.executor import default_budget
 
     mib = 2**20
     assert default_budget(240 * mib) == 720 * mib  # torch's CPU build
     assert default_budget(610 * mib) == 350 * mib  # a CUDA build with CUDA up
     assert default_budget(100 * mib) == 768 * mib and default_budget(900 * mib) == 256 * mib
+    # on a GPU the process grows past its start by GPU_GROWTH_BYTES more; the floor is 128 MiB
+    assert default_budget(610 * mib, gpu=True) == 222 * mib and default_budget(100 * mib, gpu=True) == 732 * mib
+    assert default_budget(683 * mib, gpu=True) == 149 * mib and default_budget(900 * mib, gpu=True) == 128 * mib
     ex = Executor(Options(device="cpu", workers=2, progress=False))
     assert ex.budget_bytes == default_budget(ex.stats.start_rss_bytes) == ex.stats.budget_bytes
     assert Executor(Options(device="cpu", progress=False, memory_bytes=5 * mib)).budget_bytes == 5 * mib
@@ -625,6 +629,11 @@ def test_the_resident_size_check_keeps_a_reserve_on_a_gpu():
     assert Executor(Options(device="cuda", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES - GPU_RESERVE_BYTES
     assert Executor(Options(device="cpu", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES
     assert Executor(Options(device="cuda", memory_bytes=2**30, progress=False)).peak_rss_bytes == 0
+    from inkling_ckpt.layouts.pread import staging_bytes
+    from inkling_ckpt.pipeline.executor import default_budget
+
+    ex = Executor(Options(device="cuda", progress=False))  # the budget counts the GPU's growth too
+    assert ex.budget_bytes == default_budget(ex.stats.start_rss_bytes + staging_bytes(ex.workers + 1), gpu=True)
 
 
 @pytest.mark.gpu
