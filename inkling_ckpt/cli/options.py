@@ -111,7 +111,8 @@ WORKERS = typer.Option(0, "--workers", min=0, metavar="N",
 MEMORY_MB = typer.Option(0, "--memory-mb", min=0, metavar="MIB",
                          help="Host memory the units in flight may hold together (what they read and write; at least one "
                               "unit always runs). 0 (default): what keeps the whole process near 1 GiB beside its own size "
-                              "at the start (~0.25 GiB with torch on the CPU, ~0.6 GiB with CUDA up), 256-768 MiB, and a "
+                              "at the start (~0.25 GiB with torch on the CPU, ~0.6 GiB with CUDA up), 256-768 MiB (on a GPU "
+                              "128 MiB more held back for the process's growth, at least 128 MiB), and a "
                               "unit also waits while the process's resident size plus it would pass 1 GiB. Raise it on a "
                               "big node to keep more units in flight (no resident-size check then).")
 READ_PRESET = typer.Option(None, "--preset",
