@@ -410,7 +410,7 @@ class _Merger:
         return self.linear(s.unit, s.lo, s.hi) if s.kind == "linear" else self.experts(s.unit, s.lo, s.hi)
 
     def _read(self, f: str, a: int, b: int) -> memoryview:
-        # positioned reads (read_exact): no buffered copy, and the kernel is asked ahead as for the tensors
+        # positioned reads (read_exact), as for the tensors: no buffered copy
         with open_regular(self.base.root / f, buffering=0) as src:
             return _bytes(read_exact(src.fileno(), a, b - a, f"{self.base.root / f}: truncated"))
 

@@ -72,9 +72,10 @@ GPU_RESERVE_BYTES = 48 * 2**20
 #: measured start (those libraries, the driver's transfer buffers, host transients), down to
 #: :data:`MIN_DEFAULT_GPU_MEMORY_BYTES`: the CPU's 256 MiB floor left a CUDA process (~680 MiB at the
 #: start) no room. H100 machine, 2026-12-06, 8-layer wide fixture: lora merge's CUDA runs peaked at
-#: 1034-1066 MiB (six runs) with that floor and 995-1021 MiB (three) with 128 MiB, as fast (8.9-9.7
-#: against 8.7-9.4 s); verify 946-1000 against 981 MiB (13.2-14.7 against 13.7 s), megatron-to-hf
-#: 917-918 against 916 MiB (12.2 against 12.0-13.5 s).
+#: 1034-1066 MiB (six runs) with that floor, 995-1021 MiB (three) with ``--memory-mb 128``, as fast
+#: (8.9-9.7 against 8.7-9.4 s), and 970-1000 MiB with this default; megatron-to-hf 914-915 against
+#: 934 MiB, as fast (12.8-13.2 against 12.9 s); every CUDA command's peak under 1 GiB
+#: (bench/README.md).
 GPU_GROWTH_BYTES = 128 * 2**20
 #: The least default budget on a GPU, where a unit holds its slice on the host only while reading,
 #: checking and serializing it.
