@@ -245,12 +245,12 @@ class Executor:
         so what a command imports or builds after creating its executor (hf-to-megatron: DCP) counts."""
         self.stats.start_rss_bytes = resident_bytes()
         asked = int(self.options.memory_bytes)
+        gpu = self.device.type == "cuda"
         # On a GPU each worker reads through its own pinned buffers (layouts.pread), allocated on its
         # first read, and the writer brings results down through its own: part of the process's size,
         # not of any unit's.
-        staged = staging_bytes(self.workers + 1) if self.device.type == "cuda" else 0
-        self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes + staged,
-                                                                       gpu=self.device.type == "cuda")
+        staged = staging_bytes(self.workers + 1) if gpu else 0
+        self.budget_bytes = asked if asked > 0 else default_budget(self.stats.start_rss_bytes + staged, gpu=gpu)
         self.stats.budget_bytes = self.budget_bytes
         # The budget counts what units are charged; what grows the process besides (libraries loaded on
         # first use, CUDA modules, heap kept between blocks) is only seen in its resident size, so the
@@ -260,7 +260,7 @@ class Executor:
         # slowed megatron-to-hf 86 -> 68 % of plain (full-size layer) and left the CPU runs over (their
         # codec temporaries grow inside running units, which no check before a unit starts can stop).
         # An explicit --memory-mb is the user's own bound: no second guess.
-        reserve = GPU_RESERVE_BYTES if self.device.type == "cuda" else 0
+        reserve = GPU_RESERVE_BYTES if gpu else 0
         self.peak_rss_bytes = 0 if asked > 0 else DEFAULT_PEAK_RSS_BYTES - reserve
 
     # ---- running units -----------------------------------------------------------------------
