@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -394,83 +393,6 @@ def test_trimming_the_heap_gives_freed_pages_back_on_glibc():
     assert memory.trim_heap() is True
     assert memory.resident_bytes() < before
     del keep
-
-
-def _file(tmp_path: Path, n: int) -> tuple[int, bytes]:
-    data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).numpy().tobytes()
-    p = tmp_path / "data.bin"
-    p.write_bytes(data)
-    return os.open(p, os.O_RDONLY), data
-
-
-def test_a_read_reuses_a_buffer_only_once_nothing_refers_to_it(tmp_path):
-    """ReadBuffers: a read lands in an earlier read's memory only after every tensor on it is gone
-    (a view, a dtype view, a memoryview keep it); the bytes are always the file's."""
-    from inkling_ckpt.layouts.pread import read_exact, reuse_reads
-
-    mib = 1 << 20
-    fd, data = _file(tmp_path, 8 * mib)
-    try:
-        with reuse_reads(64 * mib) as bufs:
-            a = read_exact(fd, 0, 3 * mib, "short")
-            ptr = a.data_ptr()
-            kept = a[mib:].view(torch.int16)  # a view keeps the buffer taken
-            del a
-            b = read_exact(fd, 4 * mib, 3 * mib, "short")
-            assert b.data_ptr() != ptr and bufs.reused == 0
-            assert kept.view(torch.uint8).numpy().tobytes() == data[mib:3 * mib]
-            view = memoryview(kept.view(torch.uint8).numpy())
-            del kept
-            c = read_exact(fd, 0, 3 * mib, "short")
-            assert c.data_ptr() != ptr  # the memoryview still holds it
-            del view
-            d = read_exact(fd, 5 * mib, 3 * mib, "short")  # now the first buffer is free again
-            assert d.data_ptr() == ptr and bufs.reused == 1
-            assert d.numpy().tobytes() == data[5 * mib:] and b.numpy().tobytes() == data[4 * mib:7 * mib]
-            assert c.numpy().tobytes() == data[:3 * mib]
-            del b, c, d
-            assert bufs.idle_bytes() == 3 * 4 * mib  # rounded up to 2 MiB each
-            e = read_exact(fd, 0, 7 * mib, "short")  # no idle buffer within a quarter of 8 MiB
-            assert bufs.reused == 1 and e.numpy().tobytes() == data[:7 * mib]
-            small = read_exact(fd, 0, 1000, "short")  # below MIN_BYTES: the heap's, never kept
-            assert small.numpy().tobytes() == data[:1000] and bufs.fresh == 4
-            del e, small
-        assert bufs.keep_bytes == 0 and bufs.idle_bytes() == 0  # dropped on leaving
-        f = read_exact(fd, 0, 3 * mib, "short")  # outside: fresh memory, nothing kept
-        del f
-        assert bufs.idle_bytes() == 0 and bufs.reused == 1
-    finally:
-        os.close(fd)
-
-
-def test_read_buffers_keep_at_most_their_share_idle_the_oldest_going_first(tmp_path):
-    from inkling_ckpt.layouts.pread import read_exact, reuse_reads
-
-    mib = 1 << 20
-    fd, _ = _file(tmp_path, 8 * mib)
-    try:
-        with reuse_reads(8 * mib) as bufs:
-            first, second, third = (read_exact(fd, 0, n * mib, "short") for n in (2, 4, 6))
-            keep = {t.numel(): t.data_ptr() for t in (first, second, third)}
-            del first, second
-            assert bufs.idle_bytes() == 6 * mib
-            del third  # 12 MiB idle: the oldest (2 MiB) and then the 4 MiB one go
-            assert bufs.idle_bytes() == 6 * mib
-            assert read_exact(fd, 0, 6 * mib, "short").data_ptr() == keep[6 * mib]
-            with reuse_reads(0):  # an inner scope keeping none drops them; the outer's share comes back
-                assert bufs.idle_bytes() == 0
-            assert bufs.keep_bytes == 8 * mib
-    finally:
-        os.close(fd)
-
-
-def test_the_executor_lets_reads_reuse_buffers_a_quarter_of_its_budget_at_most():
-    from inkling_ckpt.layouts import pread
-
-    ex = Executor(Options(device="cpu", workers=2, memory_bytes=64 << 20, progress=False))
-    seen = [r for _, r in ex.map(list(range(3)), lambda i: pread._buffers.keep_bytes)]
-    assert seen == [16 << 20] * 3
-    assert pread._buffers.keep_bytes == 0
 
 
 def test_each_local_rank_takes_its_own_gpu(monkeypatch):

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import os
 import threading
-import weakref
-from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -29,8 +26,8 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     """``count`` bytes at ``offset`` of an open file, as a uint8 tensor on ``device`` (default the CPU).
 
     Positioned reads until every byte has come (one read may return fewer). On the CPU into memory
-    torch allocates (in huge pages when the CLI turned them on), or, inside :func:`reuse_reads`,
-    into a buffer an earlier read left behind (:class:`ReadBuffers`); on a GPU through this thread's two small pinned buffers
+    torch allocates (in huge pages when the CLI turned them on: every slice a command reads lands
+    in fresh memory); on a GPU through this thread's two small pinned buffers
     (:data:`STAGE_BYTES` each, reused: no fresh host memory, no page faults), each piece copied up
     while the next is read, so the host holds a few MiB whatever the size. ``hasher`` (a hashlib
     object) is fed the bytes in order as they pass. A file that ends first raises
@@ -39,7 +36,7 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
     dev = off_host(device)
     if dev is not None:
         return _read_to_device(fd, offset, count, truncated, dev, hasher)
-    buf = _buffers.take(count)
+    buf = torch.empty(count, dtype=torch.uint8)
     view = memoryview(buf.numpy())  # type: ignore[arg-type]  # numpy types ndarray as a Buffer on 3.12+ only
     _pread_into(fd, view, offset, truncated)
     if hasher is not None:
@@ -54,94 +51,6 @@ def _pread_into(fd: int, view: memoryview, offset: int, truncated: str) -> None:
         if k <= 0:
             raise CheckpointError(truncated)
         got += k
-
-
-class ReadBuffers:
-    """Host buffers for large reads, taken back when the last tensor on one is gone, and handed to
-    later reads of about the same size.
-
-    Reading into fresh memory costs a page fault per page (per 2 MiB huge page) and the kernel's
-    zeroing of it before pread's copy; a buffer an earlier read used has its pages already.
-    2-core box, a warm 4 GiB file in 32 MiB reads: 4.5-6.1 GB/s into fresh huge-page memory
-    against 6.1-9.1 GB/s into reused buffers (1-12 threads). A buffer goes back only once nothing
-    refers to it (``weakref.finalize`` on the array the tensor was made from: its views and
-    storage keep that alive), so no read ever lands in memory something still uses. At most
-    ``keep_bytes`` wait idle (the oldest go first); 0 (the default, outside the executor) keeps
-    none: every read gets fresh memory, as before.
-    """
-
-    #: Reads below this get fresh memory: the heap serves them without faults (``pipeline.memory``).
-    MIN_BYTES = 1 << 20
-    #: Buffer sizes are rounded up to this (a huge page), so reads a little apart share buffers.
-    GRAIN = 2 << 20
-
-    def __init__(self, keep_bytes: int = 0):
-        self.keep_bytes = keep_bytes
-        self._idle: deque[torch.Tensor] = deque()
-        self._idle_bytes = 0
-        self._lock = threading.Lock()
-        self.reused = 0  # reads served from an idle buffer (for tests and benchmarks)
-        self.fresh = 0  # reads from MIN_BYTES up that got fresh memory
-
-    def take(self, count: int) -> torch.Tensor:
-        """``count`` bytes of host memory as a uint8 tensor: an idle buffer's (up to a quarter larger
-        than needed), else fresh."""
-        if count < self.MIN_BYTES or self.keep_bytes <= 0:
-            return torch.empty(count, dtype=torch.uint8)
-        size = -(-count // self.GRAIN) * self.GRAIN
-        buf = None
-        with self._lock:
-            fits = [i for i, b in enumerate(self._idle) if size <= b.numel() <= size + size // 4]
-            if fits:  # the smallest that fits (by position: tensors do not compare as values)
-                i = min(fits, key=lambda i: self._idle[i].numel())
-                buf = self._idle[i]
-                del self._idle[i]
-                self._idle_bytes -= buf.numel()
-                self.reused += 1
-        if buf is None:
-            buf = torch.empty(size, dtype=torch.uint8)
-            self.fresh += 1
-        arr = buf.numpy()[:count]
-        weakref.finalize(arr, self._give_back, buf).atexit = False
-        return torch.from_numpy(arr)
-
-    def _give_back(self, buf: torch.Tensor) -> None:
-        # Runs on whichever thread dropped the last reference (a worker, the writer).
-        with self._lock:
-            if buf.numel() > self.keep_bytes:
-                return
-            self._idle.append(buf)
-            self._idle_bytes += buf.numel()
-            while self._idle_bytes > self.keep_bytes:
-                self._idle_bytes -= self._idle.popleft().numel()
-
-    def idle_bytes(self) -> int:
-        """Bytes of the buffers waiting for a read."""
-        with self._lock:
-            return self._idle_bytes
-
-    def set_keep(self, keep_bytes: int) -> None:
-        """Keep at most ``keep_bytes`` idle from now on (0: none; those idle are dropped)."""
-        with self._lock:
-            self.keep_bytes = keep_bytes
-            while self._idle_bytes > max(0, keep_bytes):
-                self._idle_bytes -= self._idle.popleft().numel()
-
-
-_buffers = ReadBuffers()
-
-
-@contextmanager
-def reuse_reads(keep_bytes: int) -> Iterator[ReadBuffers]:
-    """While inside, CPU reads through :func:`read_exact` reuse buffers earlier reads left behind,
-    keeping at most ``keep_bytes`` of them idle; on leaving, what was kept before holds again (the
-    idle buffers over it are dropped)."""
-    before = _buffers.keep_bytes
-    _buffers.set_keep(keep_bytes)
-    try:
-        yield _buffers
-    finally:
-        _buffers.set_keep(before)
 
 
 #: Bytes of one pinned staging buffer for reads that land on a GPU (two per reading thread: pinned

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 
-from ..layouts.pread import reuse_reads, staging_bytes
+from ..layouts.pread import staging_bytes
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
 from .memory import resident_bytes, steady_memory, trim_heap
@@ -77,8 +77,6 @@ GPU_RESERVE_BYTES = 48 * 2**20
 #: 934 MiB, as fast (12.8-13.2 against 12.9 s); every CUDA command's peak under 1 GiB
 #: (bench/README.md).
 GPU_GROWTH_BYTES = 128 * 2**20
-#: Read buffers kept idle for the next reads (``layouts.pread.ReadBuffers``): at most the budget over this.
-REUSED_READS_SHARE = 4
 #: The least default budget on a GPU, where a unit holds its slice on the host only while reading,
 #: checking and serializing it.
 MIN_DEFAULT_GPU_MEMORY_BYTES = 128 * 2**20
@@ -288,13 +286,6 @@ class Executor:
             self._mapped = True
             self._t0 = time.perf_counter()
             self._measure_start()
-        # Reads reuse the buffers of reads done with, a share of the budget of them kept idle
-        # (the resident-size check sees them).
-        with reuse_reads(self.budget_bytes // REUSED_READS_SHARE):
-            yield from self._map(units, transform, cost, done_cost)
-
-    def _map(self, units: Sequence[Any], transform: Callable[[Any], T],
-             cost: Callable[[Any], int] | None, done_cost: Callable[[Any], int] | None) -> Iterator[tuple[Any, T]]:
         cost = cost or _memory
         if done_cost is None:
             done_cost = _result_memory if cost is _memory else cost
