@@ -624,16 +624,15 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_resident_size_check_keeps_a_reserve_on_a_gpu():
-    from inkling_ckpt.pipeline.executor import DEFAULT_PEAK_RSS_BYTES, GPU_RESERVE_BYTES
+    from inkling_ckpt.layouts.pread import staging_bytes
+    from inkling_ckpt.pipeline.executor import DEFAULT_PEAK_RSS_BYTES, GPU_RESERVE_BYTES, default_budget
 
-    assert Executor(Options(device="cuda", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES - GPU_RESERVE_BYTES
+    ex = Executor(Options(device="cuda", progress=False))
+    assert ex.peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES - GPU_RESERVE_BYTES
+    # the budget counts the GPU's growth too
+    assert ex.budget_bytes == default_budget(ex.stats.start_rss_bytes + staging_bytes(ex.workers + 1), gpu=True)
     assert Executor(Options(device="cpu", progress=False)).peak_rss_bytes == DEFAULT_PEAK_RSS_BYTES
     assert Executor(Options(device="cuda", memory_bytes=2**30, progress=False)).peak_rss_bytes == 0
-    from inkling_ckpt.layouts.pread import staging_bytes
-    from inkling_ckpt.pipeline.executor import default_budget
-
-    ex = Executor(Options(device="cuda", progress=False))  # the budget counts the GPU's growth too
-    assert ex.budget_bytes == default_budget(ex.stats.start_rss_bytes + staging_bytes(ex.workers + 1), gpu=True)
 
 
 @pytest.mark.gpu
