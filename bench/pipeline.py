@@ -102,6 +102,8 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
                "print('BENCH ' + json.dumps({'rc': p.returncode, 'rss': ru.ru_maxrss * 1024, 'wall': time.perf_counter() - t0}))\n"
                "sys.exit(p.returncode)\n", *cmd]
     bc.settle(*inputs)
+    if WARM:
+        warm(*inputs)
     # From inside ``code``: `python -m` puts the working folder first on sys.path, ahead of PYTHONPATH,
     # so run from another checkout's root a step would import that checkout instead.
     p = _run_group(wrapper, env=_code_env(code), cwd=code)
@@ -125,6 +127,21 @@ def measured(cmd: list[str], code: Path, *inputs: Path) -> dict:
     if ranks:
         gpu = max(gpu, max(r.get("peak_gpu_bytes", 0) for r in ranks))
     return {"seconds": info["wall"], "peak_rss": info["rss"], "peak_gpu": gpu, "line": first, "rank_stats": ranks}
+
+
+#: ``--warm``: each step's inputs are read into the page cache after settling (the bound with no disk waits).
+WARM = False
+
+
+def warm(*folders: Path) -> None:
+    """Read every file of ``folders`` once, so a step that follows finds them in the page cache."""
+    buf = bytearray(8 << 20)
+    for folder in folders:
+        for f in sorted(folder.rglob("*")) if folder.exists() else []:
+            if f.is_file():
+                with open(f, "rb", buffering=0) as fh:
+                    while fh.readinto(buf):
+                        pass
 
 
 def _run_group(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -494,7 +511,12 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR",
                     help="run each step under py-spy (pip install py-spy), sampled stacks of every thread into DIR; "
                          "the sampling slows the steps a little")
+    ap.add_argument("--warm", action="store_true",
+                    help="read each step's inputs into the page cache before it starts (default: every step reads "
+                         "them from disk, as a real run does): what the steps would take with no disk waits")
     args = ap.parse_args()
+    global WARM
+    WARM = args.warm
     signal.signal(signal.SIGTERM, _term_as_exit)  # unwinds through _run_group, which kills the step
     if "all" in args.commands:
         args.commands = [*COMMANDS, *MORE_COMMANDS]
