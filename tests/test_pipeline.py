@@ -950,3 +950,78 @@ def test_lora_merge_writes_the_cpu_bytes_on_the_gpu(cli, tmp_path, monkeypatch):
             merge(TINY["mixed"], adapter, tmp_path / f"{device}-{chunk}", progress=False,
                   options=Options(device=device, progress=False))
         assert _same_tree(tmp_path / f"cpu-{chunk}", tmp_path / f"cuda-{chunk}") == [], chunk
+
+
+# ---- the read-ahead -------------------------------------------------------------------------------
+
+
+def _settled(read, want: int) -> int:
+    """``read()`` once it reaches ``want`` (or 5 s pass), checked again after a pause: a reader
+    that overshoots shows it."""
+    end = time.monotonic() + 5
+    while read() < want and time.monotonic() < end:
+        time.sleep(0.005)
+    time.sleep(0.1)
+    return read()
+
+
+def test_the_read_ahead_reads_the_units_past_the_started_ones_up_to_its_bound(tmp_path):
+    from inkling_ckpt.pipeline.readahead import ReadAhead
+
+    f = tmp_path / "data.bin"
+    f.write_bytes(bytes(range(256)) * (40 * 1024))  # 10 MiB
+    mib = 2**20
+    items = list(range(10))
+    ra = ReadAhead(items, lambda i: [(f, i * mib, mib)], 3 * mib)
+    try:
+        assert _settled(lambda: ra.bytes_read, 3 * mib) == 3 * mib  # items 0-2, then it waits
+        ra.started(6)  # 3-5 are the workers' now: it skips them
+        assert _settled(lambda: ra.bytes_read, 6 * mib) == 6 * mib  # 6-8
+        ra.started(10)
+        assert _settled(lambda: ra.bytes_read, 7 * mib) == 6 * mib  # nothing is left to read ahead
+    finally:
+        ra.close()
+
+
+def test_the_read_ahead_leaves_unreadable_ranges_to_the_workers(tmp_path):
+    from inkling_ckpt.pipeline.readahead import ReadAhead
+
+    f = tmp_path / "short.bin"
+    f.write_bytes(b"x" * 1000)
+    extents = {0: [(tmp_path / "missing.bin", 0, 10)], 1: [(f, 500, 2000)], 2: [(f, 0, 100)]}
+    ra = ReadAhead([0, 1, 2], extents.__getitem__, 2**20)
+    try:
+        assert _settled(lambda: ra.bytes_read, 600) == 600  # 500 of item 1 (the file ends), 100 of item 2
+    finally:
+        ra.close()
+
+
+def test_map_reads_ahead_only_when_asked_and_its_results_do_not_change(tmp_path, monkeypatch):
+    from inkling_ckpt.pipeline import readahead
+
+    f = tmp_path / "data.bin"
+    data = bytes(range(256)) * 4096  # 1 MiB
+    f.write_bytes(data)
+    seen: list[int] = []
+    real = readahead.ReadAhead
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def close(self) -> None:
+            super().close()
+            seen.append(self.bytes_read)
+
+    monkeypatch.setattr(executor_mod, "ReadAhead", Counting)
+    units = [Unit(f"u{i}", "", 65536, 65536, (), i) for i in range(16)]
+
+    def transform(u: Unit) -> bytes:
+        time.sleep(0.01)  # the read-ahead gets ahead of the workers
+        return f.read_bytes()[u.data * 65536:(u.data + 1) * 65536]
+
+    ex = Executor(Options(device="cpu", workers=2, progress=False))
+    want = [data[i * 65536:(i + 1) * 65536] for i in range(16)]
+    assert [r for _, r in ex.map(units, transform)] == want and seen == []
+    got = [r for _, r in ex.map(units, transform, extents=lambda u: [(f, u.data * 65536, 65536)])]
+    assert got == want and len(seen) == 1 and 0 < seen[0] <= len(data)
+    monkeypatch.setenv(readahead.ENV, "0")  # turned off for a benchmark's baseline
+    assert [r for _, r in ex.map(units, transform, extents=lambda u: [(f, u.data * 65536, 65536)])] == want
+    assert len(seen) == 1

@@ -40,6 +40,7 @@ from ..layouts.sharded import raw_header
 from ..model.inventory import FLOAT_DTYPES, ExpertStack
 from ..pipeline import Executor, Options, Result, Stage, Unit, assign, gather, run_staged
 from ..pipeline.executor import MAX_DEFAULT_WORKERS
+from ..pipeline.readahead import Extent
 from .io import WEIGHTS_FILE, Adapter, read_json
 from .schema import SCHEMA, Excluded, ExpertsDown, ExpertsGateUp, Linear, Schema, Target
 
@@ -517,6 +518,33 @@ class _Merger:
         return got
 
 
+def _extents(base: _Base, unit: Unit) -> list[Extent]:
+    """The base's byte ranges a step reads (its copy span, a linear's rows, an expert slice's
+    stored parts), for the executor's read-ahead; the adapter's factors are left to the step."""
+    s: _Step = unit.data
+    if s.kind == "copy":
+        return [(base.root / s.file, s.lo, s.hi - s.lo)]
+    if s.unit is None:
+        return []
+    if s.kind == "linear":
+        f, start, stop = base.span(s.unit.base)
+        rows = base.meta[s.unit.base][0][0]
+        row = (stop - start) // max(1, rows)
+        return [(base.root / f, start + s.lo * row, (s.hi - s.lo) * row)]
+    out: list[Extent] = []
+    stack = s.unit.stack
+    if stack is None:
+        return out
+    for p in stack.parts():
+        f, a, z = base.span(p.name)
+        shape = base.meta[p.name][0]
+        if shape and shape[0] == stack.shape[0]:  # one block of bytes per expert
+            per = (z - a) // shape[0]
+            a, z = a + s.lo * per, a + s.hi * per
+        out.append((base.root / f, a, z - a))
+    return out
+
+
 def _pieces(live: list[int], rows: int, cols: int) -> list[tuple[list[int], int, int]]:
     """The merge's pieces of a slice's live experts (slice indices) of about ``ROW_CHUNK_ELEMS``
     elements each (``convert.experts.expert_pieces``; an expert's rows in gate/up pairs)."""
@@ -695,7 +723,7 @@ def _merge_into(b: _Base, ad: Adapter, units: list[_Unit], dst_p: Path, job: dic
                                               math.inf if sq == 0 else 10 * math.log10(sig / sq)))
 
         try:
-            ex.run(todo, transform, sink, reused=reused)
+            ex.run(todo, transform, sink, reused=reused, extents=lambda u: _extents(b, u))
             close_group()
             lane.settle()
         except BaseException:

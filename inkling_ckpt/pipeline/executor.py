@@ -28,6 +28,7 @@ from ..layouts.pread import staging_bytes
 from ..progress import ByteProgress
 from .device import oom_as_error, peak_gpu_bytes, resolve_device
 from .memory import resident_bytes, steady_memory, trim_heap
+from .readahead import Extent, ReadAhead, read_ahead_bytes
 from .world import World, current_world, gather
 
 T = TypeVar("T")
@@ -267,7 +268,8 @@ class Executor:
 
     def map(self, units: Sequence[Any], transform: Callable[[Any], T], *,
             cost: Callable[[Any], int] | None = None,
-            done_cost: Callable[[Any], int] | None = None) -> Iterator[tuple[Any, T]]:
+            done_cost: Callable[[Any], int] | None = None,
+            extents: Callable[[Any], Sequence[Extent]] | None = None) -> Iterator[tuple[Any, T]]:
         """``(unit, transform(unit))`` in order; transforms run ahead on the workers, bounded.
 
         Works on any items (a :class:`Unit` or a storage writer's own items). ``cost(item)``: the
@@ -276,10 +278,22 @@ class Executor:
         for the writer (default: a :class:`Unit`'s ``write_bytes``, else ``cost``). Items start
         while those in flight, the one being handed out included, fit the budget (the next in
         order always starts when nothing else is in flight). An error in a transform is raised
-        here, at its unit, after the work in flight is cancelled.
+        here, at its unit, after the work in flight is cancelled. ``extents(item)``: the byte
+        ranges its transform will read, which a :class:`~.readahead.ReadAhead` reads into the page
+        cache ahead of the workers (none without it, or with ``INKLING_CKPT_READ_AHEAD_MB=0``).
         """
         if not units:
             return
+        ahead = read_ahead_bytes() if extents is not None else 0
+        ra = ReadAhead(units, extents, ahead) if extents is not None and ahead > 0 else None
+        try:
+            yield from self._map(units, transform, cost, done_cost, ra)
+        finally:
+            if ra is not None:
+                ra.close()
+
+    def _map(self, units: Sequence[Any], transform: Callable[[Any], T], cost: Callable[[Any], int] | None,
+             done_cost: Callable[[Any], int] | None, ra: ReadAhead | None) -> Iterator[tuple[Any, T]]:
         if not self._mapped:
             # The rank's time, start size and default budget count from its first units: what a
             # command does before (importing DCP, planning) is a fixed cost, not the rate it runs at.
@@ -297,7 +311,9 @@ class Executor:
             stats.most_in_flight = max(stats.most_in_flight, 1)
             torch.set_num_threads(threads)  # this rank's share of the node's cores
             try:
-                for u in units:  # no thread: the simplest schedule, same results
+                for i, u in enumerate(units):  # no thread: the simplest schedule, same results
+                    if ra is not None:
+                        ra.started(i + 1)
                     t = clock()
                     with oom_as_error():
                         r = transform(u)
@@ -317,6 +333,7 @@ class Executor:
         # (item, bytes while transforming, bytes once done, its future, [a worker has begun it])
         pending: deque[tuple[Any, int, int, Future[T], list[bool]]] = deque()
         it = iter(units)
+        submitted = 0  # items handed to the pool (the read-ahead runs past them)
         held: list[Any] = []  # the next item, when the budget held it back
         handed = 0  # bytes of the result with the caller (counted until it comes back)
         handing_out = False  # a result is with the caller
@@ -346,6 +363,7 @@ class Executor:
             return self._run_one(transform, u)
 
         def fill() -> None:
+            nonlocal submitted
             while len(pending) <= self.workers:
                 if not held:
                     nxt = next(it, _END)
@@ -361,6 +379,9 @@ class Executor:
                         return
                 u = held.pop()
                 begun = [False]
+                submitted += 1
+                if ra is not None:
+                    ra.started(submitted)
                 pending.append((u, c, min(c, max(0, int(done_cost(u)))), pool.submit(start, u, begun), begun))
                 stats.most_in_flight = max(stats.most_in_flight, len(pending) + handing_out)
 
@@ -398,11 +419,13 @@ class Executor:
         return out
 
     def run(self, units: Sequence[Unit], transform: Callable[[Unit], T], sink: Callable[[Unit, T], None], *,
-            reused: Sequence[Unit] = (), total_bytes: int | None = None, read_only: bool = False) -> RankStats:
+            reused: Sequence[Unit] = (), total_bytes: int | None = None, read_only: bool = False,
+            extents: Callable[[Unit], Sequence[Extent]] | None = None) -> RankStats:
         """Transform every unit and hand each result to ``sink`` in order, with a progress bar.
 
         ``reused`` are this rank's units an interrupted run already wrote (counted, not redone).
         ``read_only``: a job that writes nothing (``verify``); the bar counts the bytes read.
+        ``extents``: what each unit reads, for the read-ahead (:meth:`map`).
         """
         def size(u: Unit) -> int:
             return u.read_bytes if read_only else u.write_bytes
@@ -411,7 +434,7 @@ class Executor:
         total = total_bytes if total_bytes is not None else done_bytes + sum(size(u) for u in units)
         self.note_reused(reused)
         with self.progress(total, initial=done_bytes) as bar:
-            for u, result in self.map(units, transform):
+            for u, result in self.map(units, transform, extents=extents):
                 sink(u, result)
                 self.note_done(u)
                 bar.advance(size(u), u.where)

@@ -1,0 +1,132 @@
+"""Reading the next units' input bytes into the page cache while the workers compute.
+
+A real conversion reads its input from disk, and a worker reads its unit's bytes only when it
+starts it: while every worker computes the disk idles, and while several read they share it. The
+read-ahead walks the units in plan order on one background thread and reads the byte ranges each
+will read (``extents(unit)``, from headers) into one reused buffer, staying at most
+:data:`READ_AHEAD_BYTES` past the units already handed to workers; the workers' own positioned
+reads then find the pages in the page cache. Nothing it reads is kept by the process (the page
+cache is the kernel's, not the process's resident size), and it never changes what is read or
+written: it only reads earlier. A range it cannot read (a missing file, a short one) is left to
+the worker, whose read raises the command's own error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+#: ``(file, offset, length)``: a byte range a unit will read.
+Extent = tuple[Path, int, int]
+
+#: How far past the units handed to workers the read-ahead reads by default: a few units of every
+#: command (a CPU slice is 32 MiB, a GPU one 64 MiB), well under a second of a disk's reading.
+READ_AHEAD_BYTES = 256 * 2**20
+#: One read of the read-ahead (its one buffer, part of the process's resident size).
+PIECE_BYTES = 8 * 2**20
+#: Overrides :data:`READ_AHEAD_BYTES` (MiB; 0 turns the read-ahead off), for benchmarks.
+ENV = "INKLING_CKPT_READ_AHEAD_MB"
+
+
+def read_ahead_bytes() -> int:
+    """How far the read-ahead runs past the started units: :data:`ENV` if set, else :data:`READ_AHEAD_BYTES`."""
+    v = os.environ.get(ENV, "").strip()
+    if not v:
+        return READ_AHEAD_BYTES
+    try:
+        return max(0, int(float(v) * 2**20))
+    except ValueError:
+        return READ_AHEAD_BYTES
+
+
+class ReadAhead:
+    """The background reader for one :meth:`Executor.map` call (see the module docstring).
+
+    ``started(n)``: the first ``n`` items have been handed to workers (they read their own bytes;
+    the read-ahead skips any it has not reached). ``close()`` stops it and closes its files.
+    """
+
+    def __init__(self, items: Sequence[Any], extents: Callable[[Any], Sequence[Extent]], ahead_bytes: int):
+        self._extents = [list(extents(u)) for u in items]
+        sizes = [sum(max(0, n) for _, _, n in e) for e in self._extents]
+        self._cum = [0]
+        for s in sizes:
+            self._cum.append(self._cum[-1] + s)
+        self._ahead = ahead_bytes
+        self._started = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        #: bytes this reader read (for tests and benchmarks)
+        self.bytes_read = 0
+        self._thread = threading.Thread(target=self._run, name="inkling-readahead", daemon=True)
+        self._thread.start()
+
+    def started(self, n: int) -> None:
+        """Items ``0..n-1`` have been handed to workers."""
+        with self._cond:
+            if n > self._started:
+                self._started = n
+                self._cond.notify()
+
+    def close(self) -> None:
+        """Stop reading (the piece being read finishes first)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _next(self, i: int) -> int:
+        """The next item to read (waiting until it is within reach), or -1 to stop."""
+        with self._cond:
+            while True:
+                if self._stop:
+                    return -1
+                i = max(i, self._started)
+                if i >= len(self._extents):
+                    return -1
+                if self._cum[i] - self._cum[self._started] < self._ahead:
+                    return i
+                self._cond.wait()
+
+    def _run(self) -> None:
+        buf = bytearray(PIECE_BYTES)
+        view = memoryview(buf)
+        fds: dict[Path, int] = {}
+        try:
+            i = 0
+            while (i := self._next(i)) >= 0:
+                for path, offset, length in self._extents[i]:
+                    if not self._read(fds, i, path, offset, length, view):
+                        break
+                i += 1
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _read(self, fds: dict[Path, int], item: int, path: Path, offset: int, length: int, view: memoryview) -> bool:
+        """Read ``length`` bytes at ``offset`` of ``path`` a piece at a time; False once stopped or
+        once a worker has started ``item`` (it reads the rest itself: two readers would share the disk)."""
+        fd = fds.get(path)
+        if fd is None:
+            try:
+                fd = fds[path] = os.open(path, os.O_RDONLY)
+            except OSError:
+                return True  # the worker's own read names the problem
+        end = offset + length
+        while offset < end:
+            if self._stop or self._started > item:
+                return False
+            try:
+                k = os.preadv(fd, [view[: min(len(view), end - offset)]], offset)
+            except OSError:
+                return True
+            if k <= 0:
+                return True
+            offset += k
+            self.bytes_read += k
+        return True
+
+
+__all__ = ["Extent", "ReadAhead", "READ_AHEAD_BYTES", "read_ahead_bytes"]
