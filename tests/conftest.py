@@ -88,3 +88,55 @@ def executor_gpu_workers(monkeypatch: pytest.MonkeyPatch, module: ModuleType) ->
 
     monkeypatch.setattr(module, "Executor", spy)
     return seen
+
+
+def byte_ranges(ranges) -> dict[str, list[tuple[int, int]]]:
+    """``(file, offset, length)`` ranges as each file's sorted, merged ``[start, stop)`` intervals (files
+    resolved), so two lists of reads compare by the bytes they cover."""
+    per: dict[str, list[tuple[int, int]]] = {}
+    for p, a, n in ranges:
+        if n > 0:
+            per.setdefault(str(Path(p).resolve()), []).append((a, a + n))
+    out = {}
+    for f, spans in per.items():
+        merged: list[tuple[int, int]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        out[f] = merged
+    return out
+
+
+def within(inner: dict[str, list[tuple[int, int]]], outer: dict[str, list[tuple[int, int]]]) -> bool:
+    """Every byte of ``inner`` lies in ``outer`` (both as :func:`byte_ranges` gives them)."""
+    for f, spans in inner.items():
+        big = outer.get(f, [])
+        for a, b in spans:
+            if not any(x <= a and b <= y for x, y in big):
+                return False
+    return True
+
+
+@pytest.fixture
+def file_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Every positioned read the package makes from here on (``layouts.pread``'s and ``os.pread``), as
+    ``(file, offset, length)``: what a test compares with the extents a command names for read-ahead."""
+    from inkling_ckpt.layouts import pread
+
+    reads: list[tuple[str, int, int]] = []
+    real_into, real_pread = pread._pread_into, os.pread
+
+    def into(fd: int, view: memoryview, offset: int, truncated: str) -> None:
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(view)))
+        real_into(fd, view, offset, truncated)
+
+    def plain(fd: int, n: int, offset: int) -> bytes:
+        got = real_pread(fd, n, offset)
+        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(got)))
+        return got
+
+    monkeypatch.setattr(pread, "_pread_into", into)
+    monkeypatch.setattr(os, "pread", plain)
+    return reads

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, same_files
+from conftest import TINY, byte_ranges, same_files, within
 from inkling_ckpt.formats.stacked import decode_stacked
 from inkling_ckpt.layouts.hf import HFCheckpoint
 from inkling_ckpt.layouts.megatron import BACKEND, TorchDistCheckpoint
@@ -612,3 +612,31 @@ def test_the_memory_budget_counts_what_torch_dist_units_read():
             # written from there: nothing stays on the host (1 byte)
             want = 2 * u.read_bytes + (2 if keep else 1) * u.write_bytes if host else 1
             assert u.memory == want and u.write_bytes > 0
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 1 << 20])
+def test_megatron_to_hf_units_name_the_bytes_they_read(megatron, file_reads, slice_bytes):
+    """What the executor reads ahead for a megatron-to-hf unit (its extents) covers every byte the
+    unit then reads, of the torch_dist blobs and of the reference, and an expert slice's extents are
+    exactly its blobs (a first read checks a whole blob against its sha256) and kept reference parts."""
+    from inkling_ckpt.convert import megatron as conv
+    from inkling_ckpt.convert.experts import ExpertEncoder
+    from inkling_ckpt.pipeline import expert_slice
+
+    ref = HFCheckpoint.open(TINY["mixed"])
+    reader, plan, m, specs = conv._open_megatron(megatron["mixed"], ref, None, None)
+    encoder = ExpertEncoder(plan, scales="keep", reference=ref)
+    units = conv._plan_to_hf(m, specs, plan, slice_bytes)
+    ex = conv.Executor(conv.Options(device="cpu", progress=False))
+    run, extents = conv._to_hf_transform(reader, m, ref, encoder, ex), conv._to_hf_reads(reader, m, ref, encoder)
+    experts = kept = 0
+    for u in units:
+        file_reads.clear()
+        run(u)  # an expert slice encodes too, keeping the reference's scales and unchanged bytes
+        want, got = byte_ranges(extents(u)), byte_ranges(file_reads)
+        assert within(got, want), u.key
+        if expert_slice(u) is not None:
+            assert got == want, u.key
+            experts += 1
+            kept += any(Path(p).resolve().parent == TINY["mixed"].resolve() for p, _, _ in extents(u))
+    assert experts > 0 and kept > 0

@@ -905,41 +905,27 @@ def test_merge_takes_the_cpu_default_of_workers_on_a_gpu_too(work, base_mixed, a
 
 
 @pytest.mark.parametrize("slice_bytes", [1, 1 << 20])
-def test_merge_steps_name_exactly_the_base_bytes_they_read(work, base_mixed, ad_random, monkeypatch, slice_bytes):
+def test_merge_steps_name_exactly_the_base_bytes_they_read(work, base_mixed, ad_random, file_reads, slice_bytes):
     """What the executor reads ahead for a merge step (its extents) is what the step then reads of
     the base: every byte, no other (recorded at the positioned reads themselves)."""
     import importlib
-    import os
 
-    from inkling_ckpt.layouts import pread
+    from conftest import byte_ranges
 
     merge_mod = importlib.import_module("inkling_ckpt.lora.merge")  # the package exports merge(), the function
-
     b = merge_mod._Base(base_mixed)
     ad = Adapter.open(ad_random)
-    reads: list[tuple[str, int, int]] = []
-    real = pread._pread_into
-
-    def record(fd, view, offset, truncated):
-        reads.append((os.readlink(f"/proc/self/fd/{fd}"), offset, len(view)))
-        return real(fd, view, offset, truncated)
-
-    monkeypatch.setattr(pread, "_pread_into", record)
-
-    def covered(ranges) -> set[tuple[str, int]]:
-        return {(str(p), i) for p, a, n in ranges for i in range(a, a + n)}
-
     try:
         units = merge_mod.plan_units(b, ad)
         steps = merge_mod._plan_steps(b, units, merge_mod._file_groups(b, units), slice_bytes)
         merger = merge_mod._Merger(b, ad, torch.device("cpu"), False, True)
         kinds = set()
         for step in steps:
-            reads.clear()
+            file_reads.clear()
             merger(step)
-            base_reads = [r for r in reads if Path(r[0]).parent == base_mixed.resolve()]
+            base_reads = [r for r in file_reads if Path(r[0]).parent == base_mixed.resolve()]
             want = merge_mod._extents(b, step)
-            assert covered(base_reads) == covered((p.resolve(), a, n) for p, a, n in want), step.key
+            assert byte_ranges(base_reads) == byte_ranges(want), step.key
             kinds.add(step.data.kind)
         assert kinds == {"open", "copy", "linear", "experts"}
     finally:

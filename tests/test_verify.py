@@ -415,3 +415,22 @@ def test_a_unit_is_charged_its_largest_piece_where_pieces_are_read(monkeypatch):
         share = -(-p.read_bytes * (4096 // cols) // ((last - first) * rows))  # one block of 4096 // cols rows
         assert p.hold_bytes == share + cmp.COMPARE_WORKSPACE_BYTES < w.hold_bytes
     assert experts
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 1 << 20])
+def test_verify_units_name_the_bytes_they_read(file_reads, slice_bytes):
+    """What the executor reads ahead for a verify unit (its extents) is what the unit then reads of
+    both checkpoints, every byte and no other."""
+    from conftest import byte_ranges
+    from inkling_ckpt.pipeline import Executor, Options
+    from inkling_ckpt.verify.compare import open_pair, plan_units, reads, transform
+
+    a, b = open_pair(FIXTURES / "tiny-bf16", FIXTURES / "tiny-mixed")
+    ex = Executor(Options(device="cpu", progress=False))
+    run, extents = transform(a, b, ex), reads(a, b)
+    units = plan_units(a, b, slice_bytes)
+    for u in units:
+        file_reads.clear()
+        run(u)
+        assert byte_ranges(file_reads) == byte_ranges(extents(u)), u.key
+    assert len(units) > 10

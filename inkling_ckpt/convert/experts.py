@@ -61,6 +61,18 @@ def read_parts(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
     return out
 
 
+def parts_extents(src: Any, stack: ExpertStack, first: int, last: int) -> list[tuple[Any, int, int]]:
+    """The byte ranges :func:`read_parts` of the same experts reads from ``src`` (a scalar part whole),
+    for the executor's read-ahead; none from a source that cannot say (no ``extents``)."""
+    ext = getattr(src, "extents", None)
+    if ext is None:
+        return []
+    out: list[tuple[Any, int, int]] = []
+    for spec in stack.parts():
+        out += ext(spec.name, 0, 1) if spec.shape == () else ext(spec.name, first, last)
+    return out
+
+
 def reads_pieces(src: Any) -> bool:
     """Whether ``src`` reads rows inside one expert (``read_parts(..., rows=)`` then reads only a piece's bytes)."""
     return callable(getattr(src, "read_expert_rows", None))
@@ -154,6 +166,20 @@ class ExpertEncoder:
         self.allow_nonfinite = allow_nonfinite
         self._mx = get_format("mxfp8", **dict(mxfp8_options or {}))
 
+    def _kept_from(self, stack: ExpertStack) -> ScaleSource | None:
+        """The reference whose scales and bytes ``stack`` keeps (``scales="keep"``, same format), else None."""
+        if self.scales == "keep" and self.reference is not None \
+                and self.reference.plan.format_of(stack.layer) == stack.fmt:
+            return self.reference
+        return None
+
+    def reads(self, stack: ExpertStack, first: int, last: int) -> list[tuple[Any, int, int]]:
+        """What :meth:`encode` of those experts reads of the reference (for the executor's read-ahead)."""
+        ref = self._kept_from(stack)
+        if ref is None or stack.fmt in UNQUANTIZED:
+            return []
+        return parts_extents(ref, stack, first, last)
+
     def encode(self, stack: ExpertStack, first: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Experts ``first:first+n`` of ``stack`` ([n, rows, cols]; BF16, or a source's F32/F16) → its stored
         parts (suffix → tensor). Quantized formats encode the values as given (float32 input: ModelOpt's bytes
@@ -163,8 +189,7 @@ class ExpertEncoder:
         """
         fmt = stack.fmt
         last = first + x.shape[0]
-        ref = self.reference if (self.scales == "keep" and self.reference is not None
-                                 and self.reference.plan.format_of(stack.layer) == fmt) else None
+        ref = self._kept_from(stack)
         if fmt in UNQUANTIZED:
             # The plan was resolved against the source (model.precision.dense_as): a cast that
             # rounds was asked for with --dtype; any other is exact (BF16 -> F32).

@@ -41,7 +41,7 @@ from ..layouts.megatron import (
 )
 from ..formats.stacked import UNQUANTIZED
 from ..layouts.hf import DEFAULT_MAX_SHARD, reference_sharding
-from ..layouts.torch_dist_release import check_same_model, check_torch_dist, dense_rows, mapping_for
+from ..layouts.torch_dist_release import check_same_model, check_torch_dist, dense_extents, dense_rows, mapping_for
 from ..model.inventory import TensorSpec, expert_stacks, inventory, is_vision
 from ..model.mapping import DEFAULT_PRESET, MegatronMapping, Preset, SKIPPED_PREFIXES
 from ..model.precision import PrecisionPlan, dense_as
@@ -50,8 +50,9 @@ from ..pipeline import (
     Executor, Options, Result, Stage, Unit, World, assign, current_world, device_kind, estimate, expert_slice,
     read_on_device, release_units, run_staged, write_hf,
 )
+from ..pipeline.readahead import Extent
 from .experts import ExpertEncoder, ScalePolicy, decode_slice
-from .requantize import TensorSource, read_dense
+from .requantize import TensorSource, dense_reads, read_dense
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +332,7 @@ def megatron_to_hf(src: str | Path, dst: str | Path, reference: TensorSource, *,
                         sources=[reader, reference] if scales == "keep" else [reader])
     return write_hf(ex, dst, job, specs, config, reference.extra_files(), units,
                     _to_hf_transform(reader, m, reference, encoder, ex), max_shard_size=max_shard_size or DEFAULT_MAX_SHARD,
-                    files=files, force=force)
+                    files=files, force=force, extents=_to_hf_reads(reader, m, reference, encoder))
 
 
 def _plan_to_hf(m: MegatronMapping, specs: list[TensorSpec], plan: PrecisionPlan, slice_bytes: int, *,
@@ -382,6 +383,28 @@ def _to_hf_transform(reader: TorchDistCheckpoint, m: MegatronMapping, reference:
                 raise CheckpointError(f"megatron-to-hf: nothing produces {name}")
         return out
     return run
+
+
+def _to_hf_reads(reader: TorchDistCheckpoint, m: MegatronMapping, reference: TensorSource,
+                 encoder: ExpertEncoder) -> Callable[[Unit], list[Extent]]:
+    """What :func:`_to_hf_transform`'s units read (the torch_dist blobs, the kept reference parts, the
+    vision tower), for the executor's read-ahead."""
+    by_hf = {e.hf: e for e in m.entries()}
+
+    def reads(unit: Unit) -> list[Extent]:
+        sl = expert_slice(unit)
+        if sl is not None:
+            stack, a, b = sl
+            e = by_hf[stack.name]
+            return reader.extents(e.key, (a, 0, 0), (b - a, *e.shape[1:])) + encoder.reads(stack, a, b)
+        out: list[Extent] = []
+        for name, a, b in unit.pieces:
+            if name in by_hf:
+                out += dense_extents(reader, m, by_hf[name].key, a, b)
+            else:  # the vision tower, from the reference
+                out += dense_reads(reference, [(name, a, b)])
+        return out
+    return reads
 
 
 __all__ = ["hf_to_megatron", "megatron_to_hf", "describe_hf_to_megatron", "describe_megatron_to_hf", "plan_megatron",

@@ -195,6 +195,22 @@ def read_dense(src: Any, pieces: Sequence[tuple[str, int, int]]) -> dict[str, to
     return out
 
 
+def dense_reads(src: Any, pieces: Sequence[tuple[str, int, int]]) -> list[tuple[Any, int, int]]:
+    """The byte ranges :func:`read_dense` of the same pieces reads from ``src``, for the executor's
+    read-ahead (none from a source that cannot say: no ``extents``)."""
+    ext = getattr(src, "extents", None)
+    if ext is None:
+        return []
+    out: list[tuple[Any, int, int]] = []
+    for name, a, b in pieces:
+        rows = _rows(src, name)
+        if rows is not None and (a, b) != (0, rows) and getattr(src, "row_reads", True):
+            out += ext(name, a, b)
+        else:
+            out += ext(name, 0, rows if rows is not None else 1)
+    return out
+
+
 def _rows(src: Any, name: str) -> int | None:
     """Rows of a stored tensor from the source's headers (None: a scalar, or not known)."""
     tensors = getattr(src, "tensors", None)
@@ -203,4 +219,4 @@ def _rows(src: Any, name: str) -> int | None:
     return int(shape[0]) if shape else None
 
 
-__all__ = ["requantize", "describe_requantize", "plan_units", "transform", "read_dense", "expert_slices", "Result", "TensorSource"]
+__all__ = ["requantize", "describe_requantize", "plan_units", "transform", "read_dense", "dense_reads", "expert_slices", "Result", "TensorSource"]

@@ -185,6 +185,15 @@ class HFCheckpoint:
         shape = (stop - start, *st.shape[1:]) if st.shape else ()
         return buf.view(st.dtype).reshape(shape)
 
+    def extents(self, name: str, start: int, stop: int) -> list[tuple[Path, int, int]]:
+        """The bytes :meth:`read_rows` of the same rows reads, as ``[(file, offset, length)]`` (for the
+        executor's read-ahead; an unknown tensor gives none)."""
+        st = self.tensors.get(name)
+        if st is None:
+            return []
+        row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
+        return [(self.root / st.file, st.offset + start * row, (stop - start) * row)]
+
     def read_expert_rows(self, name: str, expert: int, start: int, stop: int, *,
                          device: torch.device | str | None = None) -> torch.Tensor:
         """Rows ``start:stop`` (along dim 1) of one expert of a stacked ``[E, rows, ...]`` tensor, as

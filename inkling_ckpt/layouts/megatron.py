@@ -920,6 +920,32 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{self.folder}: no tensor {key}")
         return self._read_stored(st, offsets, sizes, device)
 
+    def extents(self, key: str, offsets: Sequence[int] | None = None,
+                sizes: Sequence[int] | None = None) -> list[tuple[Path, int, int]]:
+        """The stored blobs (``(file, offset, length)``) that :meth:`read` of the same region reads
+        from: every chunk overlapping it, whole (a chunk's first read checks its whole blob against
+        the sha256 sidecar). For the executor's read-ahead; a region outside the tensor gives none."""
+        if key in self._views:
+            stored, layer = self._views[key]
+            shape = self.keys[key].shape
+            st = self._stacked[stored]
+            off = (layer, *(tuple(offsets) if offsets is not None else (0,) * len(shape)))
+            size = (1, *(tuple(sizes) if sizes is not None else shape))
+        else:
+            got = self.keys.get(key)
+            if got is None:
+                return []
+            st = got
+            off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
+            size = tuple(sizes) if sizes is not None else st.shape
+        out = []
+        for c_off, c_size in st.chunks:
+            if all(max(a, b) < min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)):
+                info = self.metadata.storage_data.get(MetadataIndex(st.key, torch.Size(c_off)))
+                if info is not None:
+                    out.append((self.folder / info.relative_path, int(info.offset), int(info.length)))
+        return out
+
     def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None,
                      device: torch.device | str | None = None) -> torch.Tensor:
         key = st.key

@@ -75,6 +75,15 @@ def dense_rows(reader: TorchDistCheckpoint, m: MegatronMapping, key: str, start:
     return t if (start, stop) == (0, t.shape[0] if t.dim() else 1) else t[start:stop]
 
 
+def dense_extents(reader: TorchDistCheckpoint, m: MegatronMapping, key: str, start: int,
+                  stop: int) -> list[tuple[Path, int, int]]:
+    """The stored blobs :func:`dense_rows` reads for the same rows (for the executor's read-ahead)."""
+    e = m.entry(key)
+    if e.shape and e.rule.by_rows:
+        return reader.extents(e.key, (start, *(0 for _ in e.shape[1:])), (stop - start, *e.shape[1:]))
+    return reader.extents(e.key)
+
+
 class MissingConfigError(ConfigError):
     """A torch_dist folder that keeps no config.json, opened without one."""
 
@@ -195,6 +204,16 @@ class TorchDistRelease:
             return out if device is None else out.to(device)
         mg = self.reader.read(e.key, (start, 0, 0), (stop - start, *e.shape[1:]), device=device)
         return self.mapping.to_hf(e.key, mg).contiguous()
+
+    def extents(self, name: str, start: int, stop: int) -> list[tuple[Path, int, int]]:
+        """The stored blobs :meth:`read_rows` of the same rows reads (for the executor's read-ahead)."""
+        t = self.tensors.get(name)
+        if t is None:
+            return []
+        e = self.mapping.entry(t.key)
+        if not e.stacked:
+            return dense_extents(self.reader, self.mapping, e.key, start, stop)
+        return self.reader.extents(e.key, (start, 0, 0), (stop - start, *e.shape[1:]))
 
     def _tensor(self, name: str) -> ReleaseTensor:
         t = self.tensors.get(name)

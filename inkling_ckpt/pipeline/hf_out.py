@@ -20,6 +20,7 @@ import torch
 from ..layouts.hf import HFWriter, write_extra_files, write_json
 from ..model.inventory import TensorSpec
 from .executor import Executor, Unit
+from .readahead import Extent
 from .publish import Stage, run_staged
 from .report import Result
 
@@ -34,11 +35,11 @@ def piece_bytes(spec: TensorSpec, start: int, stop: int) -> int:
 def write_hf(ex: Executor, dst: str | Path, job: dict[str, Any], specs: Sequence[TensorSpec], config: Mapping[str, Any],
              extra_files: Mapping[str, Any], units: Sequence[Unit], transform: Callable[[Unit], Mapping[str, torch.Tensor]],
              *, max_shard_size: int | str, files: Mapping[str, str] | None = None, force: bool = False,
-             inputs: Iterable[str | Path | None] = ()) -> Result:
+             inputs: Iterable[str | Path | None] = (), extents: Callable[[Unit], Sequence[Extent]] | None = None) -> Result:
     """Publish the HF checkpoint of ``specs`` at ``dst`` (atomic, resumable, collective under torchrun).
 
     ``files``: tensor → file (a reference's sharding, :func:`~inkling_ckpt.layouts.hf.reference_sharding`)
-    instead of splitting by ``max_shard_size``."""
+    instead of splitting by ``max_shard_size``. ``extents``: what each unit reads, for the read-ahead."""
     t0 = time.perf_counter()
     by_name = {s.name: s for s in specs}
     planned = {p[0] for u in units for p in u.pieces}
@@ -67,7 +68,7 @@ def write_hf(ex: Executor, dst: str | Path, job: dict[str, Any], specs: Sequence
                         writer.write_rows(name, a, t)
 
         try:
-            ex.run(todo, transform, sink, reused=reused)
+            ex.run(todo, transform, sink, reused=reused, extents=extents)
         except BaseException:
             writer.abort()  # an interruption keeps the pieces written so far for a resume
             raise

@@ -49,7 +49,13 @@ class ReadAhead:
     """
 
     def __init__(self, items: Sequence[Any], extents: Callable[[Any], Sequence[Extent]], ahead_bytes: int):
-        self._extents = [list(extents(u)) for u in items]
+        # Several units may name one stored blob (a torch_dist chunk they share): the first reads it.
+        seen: set[Extent] = set()
+        self._extents = []
+        for u in items:
+            mine = [e for e in extents(u) if e not in seen]
+            seen.update(mine)
+            self._extents.append(mine)
         sizes = [sum(max(0, n) for _, _, n in e) for e in self._extents]
         self._cum = [0]
         for s in sizes:
@@ -97,8 +103,8 @@ class ReadAhead:
         try:
             i = 0
             while (i := self._next(i)) >= 0:
-                for path, offset, length in self._extents[i]:
-                    if not self._read(fds, i, path, offset, length, view):
+                for ext in self._extents[i]:
+                    if not self._read(fds, i, *ext, view):
                         break
                 i += 1
         finally:

@@ -73,8 +73,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import cut_piece, expert_pieces, largest_piece, read_parts, reads_pieces
-from ..convert.requantize import read_dense
+from ..convert.experts import cut_piece, expert_pieces, largest_piece, parts_extents, read_parts, reads_pieces
+from ..convert.requantize import dense_reads, read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
 from ..layouts.detect import open_checkpoint as _open
@@ -490,6 +490,20 @@ def transform(a: Any, b: Any, ex: Executor) -> Callable[[Unit], list[Entry]]:
     return run
 
 
+def reads(a: Any, b: Any) -> Callable[[Unit], list[tuple[Any, int, int]]]:
+    """What :func:`transform`'s units read of both sides, for the executor's read-ahead (a side
+    that cannot say, a sharded folder, reads on its own)."""
+    stacks_b = {st.name: st for st in expert_stacks(b.cfg, b.plan)}
+
+    def run(unit: Unit) -> list[tuple[Any, int, int]]:
+        sl = expert_slice(unit)
+        if sl is not None:
+            sa, first, last = sl
+            return parts_extents(a, sa, first, last) + parts_extents(b, stacks_b[sa.name], first, last)
+        return dense_reads(a, unit.pieces) + dense_reads(b, unit.pieces)
+    return run
+
+
 def _compare_dense(a: Any, b: Any, piece: tuple[str, int, int], ex: Executor) -> Entry:
     name = piece[0]
     ta, tb = (ex.to_device(read_dense(src, [piece])[name]) for src in (a, b))
@@ -613,7 +627,8 @@ def compare(path_a: str | Path, path_b: str | Path, *, progress: bool = True, co
         done: dict[str, list[Entry]] = {}
         err: Exception | None = None
         try:
-            ex.run(mine, transform(a, b, ex), lambda u, entries: done.__setitem__(u.key, entries), read_only=True)
+            ex.run(mine, transform(a, b, ex), lambda u, entries: done.__setitem__(u.key, entries), read_only=True,
+                   extents=reads(a, b))
         except Exception as e:  # every rank raises it (all_ok), so every rank exits the same way
             err = e
         all_ok(err, ex.world)
