@@ -640,3 +640,19 @@ def test_megatron_to_hf_units_name_the_bytes_they_read(megatron, file_reads, sli
             experts += 1
             kept += any(Path(p).resolve().parent == TINY["mixed"].resolve() for p, _, _ in extents(u))
     assert experts > 0 and kept > 0
+
+
+@pytest.mark.parametrize("variant", ["mixed", "bf16"])
+def test_hf_to_megatron_chunks_name_the_bytes_they_read(file_reads, variant):
+    """What the executor reads ahead for each torch_dist chunk hf-to-megatron builds is exactly what
+    building it reads of the source."""
+    from inkling_ckpt.convert import megatron as conv
+
+    src = HFCheckpoint.open(TINY[variant])
+    m, chunks, _, _, _ = conv._validated_plan(src, "miles")
+    produce, reads = conv.chunk_producer(src, m), conv.chunk_reads(src, m)
+    for item in chunks:
+        file_reads.clear()
+        produce(item)
+        assert byte_ranges(file_reads) == byte_ranges(reads(item)), (item.key, item.offsets)
+    assert any(m.entry(c.key).stacked for c in chunks) and len(chunks) > 20

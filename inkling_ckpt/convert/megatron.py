@@ -51,7 +51,7 @@ from ..pipeline import (
     read_on_device, release_units, run_staged, write_hf,
 )
 from ..pipeline.readahead import Extent
-from .experts import ExpertEncoder, ScalePolicy, decode_slice
+from .experts import ExpertEncoder, ScalePolicy, decode_slice, parts_extents
 from .requantize import TensorSource, dense_reads, read_dense
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,23 @@ def _unit_read_bytes(src: TensorSource, m: MegatronMapping) -> dict[int, int]:
     return out
 
 
+def chunk_reads(src: TensorSource, m: MegatronMapping) -> Callable[[Any], list[Extent]]:
+    """What :func:`chunk_producer` reads of ``src`` for an item (an object: nothing), for the executor's read-ahead."""
+    stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+
+    def reads(item: Any) -> list[Extent]:
+        if not isinstance(item, ChunkItem):
+            return []
+        e = m.entry(item.key)
+        a = item.offsets[0] if item.offsets else 0
+        if e.stacked:
+            return parts_extents(src, stacks[e.hf], a, a + item.sizes[0])
+        if tuple(item.sizes) == tuple(e.shape):
+            return dense_reads(src, [(e.hf, 0, e.shape[0] if e.shape else 1)])
+        return dense_reads(src, [(e.hf, a, a + item.sizes[0])])
+    return reads
+
+
 def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset = DEFAULT_PRESET,
                    allow_nonfinite: bool = False, force: bool = False, progress: bool = True,
                    dtype: str | None = None, options: Options | None = None) -> Result:
@@ -182,6 +199,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
     unit_bytes = {unit_no[u]: n for u, n in sizes.items()}
     job = {"command": "hf-to-megatron", "source": src.describe(), "preset": m.preset.name, "dtype": dtype}
     produce = chunk_producer(src, m, allow_nonfinite=allow_nonfinite, device=ex.device)
+    reads = chunk_reads(src, m)
     blob_bytes, blob_done = _blob_costs(src, m, ex.device.type)
     order = list(dict.fromkeys([c.key for c in chunks] + [o.key for o in objects]))
     layers = src.cfg.num_hidden_layers
@@ -210,7 +228,7 @@ def hf_to_megatron(src: TensorSource, dst: str | Path, *, preset: str | Preset =
                     ex.stats.where = [ex.stats.where[0] if ex.stats.where else where[unit], where[unit]]
             write_dcp(folder, my_chunks, my_objects, produce, on_written=written, save_id=f"inkling-{__version__}",
                       key_order=order, map_items=lambda items, build: ex.map(items, build, cost=blob_bytes,
-                                                                     done_cost=blob_done))
+                                                                     done_cost=blob_done, extents=reads))
 
     def finish(stage: Stage, _: None) -> None:
         finish_iteration_dir(Path(stage.path) / RELEASE, common_state(
