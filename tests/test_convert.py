@@ -656,3 +656,32 @@ def test_hf_to_megatron_chunks_name_the_bytes_they_read(file_reads, variant):
         produce(item)
         assert byte_ranges(file_reads) == byte_ranges(reads(item)), (item.key, item.offsets)
     assert any(m.entry(c.key).stacked for c in chunks) and len(chunks) > 20
+
+
+@pytest.mark.parametrize("variant, plan, reference", [("bf16", "0-3:nvfp4", None), ("mixed", "0-3:bf16", None),
+                                                       ("mixed", "0-3:mxfp8", "mixed"), ("bf16", None, "mixed")])
+def test_requantize_units_name_the_bytes_they_read(file_reads, variant, plan, reference):
+    """What the executor reads ahead for a quantize / dequantize / hf-to-hf unit is exactly what the
+    unit then reads of the source and of a reference whose scales it keeps (BF16 quantized to the
+    reference's plan with ``--scales keep``: every NVFP4 expert takes the reference's amax)."""
+    from inkling_ckpt.convert import requantize as rq
+    from inkling_ckpt.convert.experts import ExpertEncoder
+    from inkling_ckpt.model.inventory import inventory
+    from inkling_ckpt.model.precision import PrecisionPlan, dense_as
+    from inkling_ckpt.pipeline import Executor, Options
+
+    src = HFCheckpoint.open(TINY[variant])
+    ref = HFCheckpoint.open(TINY[reference]) if reference is not None else None
+    p = dense_as(PrecisionPlan.parse(plan, src.cfg.num_hidden_layers) if plan else ref.plan, src.plan, None)
+    encoder = ExpertEncoder(p, scales="keep" if ref is not None else "fresh", reference=ref)
+    specs = inventory(src.cfg, p, dtypes=src.dtypes(), vision=src.vision_specs())
+    ex = Executor(Options(device="cpu", progress=False))
+    run, reads = rq.transform(src, p, encoder, ex), rq.reads(src, p, encoder)
+    units = rq.plan_units(src, specs, p, 1)
+    kept = 0
+    for u in units:
+        file_reads.clear()
+        run(u)
+        assert byte_ranges(file_reads) == byte_ranges(reads(u)), u.key
+        kept += reference not in (None, variant) and any(Path(f).parent == TINY[reference].resolve() for f, _, _ in reads(u))
+    assert len(units) > 20 and (kept > 0) == (plan is None)

@@ -28,7 +28,7 @@ from ..pipeline import (
     release_units, write_hf,
 )
 from ..pipeline.units import expert_slices as _expert_slices
-from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, read_parts
+from .experts import ExpertEncoder, ScalePolicy, ScaleSource, decode_slice, parts_extents, read_parts
 
 #: Bytes of BF16 expert weights handled at once by default (``--slice-mb``; bounds memory: the
 #: slice, its float32 temporaries in the codecs are chunked separately).
@@ -105,7 +105,8 @@ def requantize(
     read_from = [src] if reference is None else [src, reference]
     units = read_on_device(plan_units(src, specs, plan, ex.slice_bytes), ex.device.type, read_from)
     result = write_hf(ex, dst, job, specs, config, src.extra_files(), units, transform(src, plan, encoder, ex),
-                      max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, files=files, force=force)
+                      max_shard_size=max_shard_size or DEFAULT_MAX_SHARD, files=files, force=force,
+                      extents=reads(src, plan, encoder))
     if "nvfp4" in plan.used_formats() and not result.skipped:
         result.notes.append("NVFP4 experts carry no activation scales (none is pinned by the release format): "
                             "the serving engine calibrates them")
@@ -156,6 +157,22 @@ def _hold(unit: Unit, in_stacks: Mapping[str, ExpertStack]) -> int:
             _, rows, cols = out.shape
             hold += (last - first) * rows * cols * natural_dtype(inp.fmt).itemsize
     return hold
+
+
+def reads(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder) -> Callable[[Unit], list[tuple[Any, int, int]]]:
+    """What :func:`transform`'s units read (of the source, and of a reference whose scales they keep),
+    for the executor's read-ahead."""
+    in_stacks = {st.name: st for st in expert_stacks(src.cfg, src.plan)}
+
+    def run(unit: Unit) -> list[tuple[Any, int, int]]:
+        sl = expert_slice(unit)
+        if sl is None:
+            return dense_reads(src, unit.pieces)
+        out, first, last = sl
+        inp = in_stacks[out.name]
+        kept = [] if out.fmt == inp.fmt else encoder.reads(out, first, last)
+        return parts_extents(src, inp, first, last) + kept
+    return run
 
 
 def transform(src: TensorSource, plan: PrecisionPlan, encoder: ExpertEncoder, ex: Executor) -> Callable[[Unit], dict[str, torch.Tensor]]:
