@@ -596,3 +596,24 @@ def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():
     finally:
         gate.set()
         lane.close()
+
+
+def test_shard_names_for_read_ahead_exactly_the_source_bytes_it_reads(tiny_release, tmp_path, monkeypatch, file_reads):
+    """The extents ``shard`` hands the executor's read-ahead cover the source rows it reads, every
+    byte and no other (the manifest's hashing reads the files whole on its own)."""
+    from conftest import byte_ranges
+    from inkling_ckpt.pipeline import executor as executor_mod
+    from inkling_ckpt.pipeline.readahead import ReadAhead
+
+    named: list[tuple[str, int, int]] = []
+
+    class Recording(ReadAhead):
+        def __init__(self, items, extents, ahead_bytes):
+            named.extend(e for u in items for e in extents(u))
+            super().__init__(items, extents, ahead_bytes)
+
+    monkeypatch.setattr(executor_mod, "ReadAhead", Recording)
+    src = tiny_release["mixed"]
+    shard(src, tmp_path / "sh", 2, 2, progress=False)
+    got = [r for r in file_reads if Path(r[0]).parent == src.resolve()]
+    assert named and byte_ranges(named) == byte_ranges(got)

@@ -252,6 +252,10 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
         s: _ShardStep = unit.data
         return as_bytes(ckpt.read_rows(s.tensor, s.lo, s.hi)) if s.kind == "rows" else None
 
+    def reads(unit: Unit) -> list[tuple[Path, int, int]]:  # what transform reads, for the read-ahead
+        s: _ShardStep = unit.data
+        return ckpt.extents(s.tensor, s.lo, s.hi) if s.kind == "rows" else []
+
     def work(stage: Stage) -> None:
         me = stage.rank
         hasher = _Hasher(stage.path)
@@ -300,7 +304,7 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
                         _hand_rows(p, rank, block, s.lo, s.hi, writers[rank])
 
             try:
-                ex.run(todo, transform, sink)
+                ex.run(todo, transform, sink, extents=reads)
                 lane.settle()
             finally:
                 lane.close(cancel=True)
