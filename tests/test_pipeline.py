@@ -1019,9 +1019,14 @@ def test_map_reads_ahead_only_when_asked_and_its_results_do_not_change(tmp_path,
 
     ex = Executor(Options(device="cpu", workers=2, progress=False))
     want = [data[i * 65536:(i + 1) * 65536] for i in range(16)]
+    extents = lambda u: [(f, u.data * 65536, 65536)]  # noqa: E731
     assert [r for _, r in ex.map(units, transform)] == want and seen == []
-    got = [r for _, r in ex.map(units, transform, extents=lambda u: [(f, u.data * 65536, 65536)])]
+    assert [r for _, r in ex.map(units, transform, extents=extents)] == want and seen == []  # off on the CPU by default
+    monkeypatch.setenv(readahead.ENV, "1")  # asked for: 1 MiB ahead
+    got = [r for _, r in ex.map(units, transform, extents=extents)]
     assert got == want and len(seen) == 1 and 0 < seen[0] <= len(data)
-    monkeypatch.setenv(readahead.ENV, "0")  # turned off for a benchmark's baseline
-    assert [r for _, r in ex.map(units, transform, extents=lambda u: [(f, u.data * 65536, 65536)])] == want
+    monkeypatch.setenv(readahead.ENV, "0")  # turned off (a benchmark's baseline on a GPU)
+    assert [r for _, r in ex.map(units, transform, extents=extents)] == want
     assert len(seen) == 1
+    monkeypatch.delenv(readahead.ENV)
+    assert readahead.read_ahead_bytes("cuda") == readahead.READ_AHEAD_BYTES and readahead.read_ahead_bytes("cpu") == 0

@@ -613,6 +613,7 @@ def test_shard_names_for_read_ahead_exactly_the_source_bytes_it_reads(tiny_relea
             super().__init__(items, extents, ahead_bytes)
 
     monkeypatch.setattr(executor_mod, "ReadAhead", Recording)
+    monkeypatch.setenv("INKLING_CKPT_READ_AHEAD_MB", "256")  # on the CPU too (by default on a GPU only)
     src = tiny_release["mixed"]
     shard(src, tmp_path / "sh", 2, 2, progress=False)
     got = [r for r in file_reads if Path(r[0]).parent == src.resolve()]

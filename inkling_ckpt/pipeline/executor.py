@@ -280,11 +280,11 @@ class Executor:
         order always starts when nothing else is in flight). An error in a transform is raised
         here, at its unit, after the work in flight is cancelled. ``extents(item)``: the byte
         ranges its transform will read, which a :class:`~.readahead.ReadAhead` reads into the page
-        cache ahead of the workers (none without it, or with ``INKLING_CKPT_READ_AHEAD_MB=0``).
+        cache ahead of the workers (on a GPU by default; ``INKLING_CKPT_READ_AHEAD_MB`` sets how far, 0 off).
         """
         if not units:
             return
-        ahead = read_ahead_bytes() if extents is not None else 0
+        ahead = read_ahead_bytes(self.device.type) if extents is not None else 0
         ra = ReadAhead(units, extents, ahead) if extents is not None and ahead > 0 else None
         try:
             yield from self._map(units, transform, cost, done_cost, ra)
