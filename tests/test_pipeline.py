@@ -972,11 +972,14 @@ def test_the_read_ahead_reads_the_units_past_the_started_ones_up_to_its_bound(tm
     f.write_bytes(bytes(range(256)) * (40 * 1024))  # 10 MiB
     mib = 2**20
     items = list(range(10))
-    ra = ReadAhead(items, lambda i: [(f, i * mib, mib)], 3 * mib)
+    asked: list[int] = []
+    ra = ReadAhead(items, lambda i: asked.append(i) or [(f, i * mib, mib)], 3 * mib)
     try:
         assert _settled(lambda: ra.bytes_read, 3 * mib) == 3 * mib  # items 0-2, then it waits
+        assert asked == [0, 1, 2, 3]  # ranges are asked for as the reader gets there, not all at the start
         ra.started(6)  # 3-5 are the workers' now: it skips them
         assert _settled(lambda: ra.bytes_read, 6 * mib) == 6 * mib  # 6-8
+        assert asked == [0, 1, 2, 3, 6, 7, 8, 9]
         ra.started(10)
         assert _settled(lambda: ra.bytes_read, 7 * mib) == 6 * mib  # nothing is left to read ahead
     finally:

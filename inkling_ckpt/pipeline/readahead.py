@@ -55,17 +55,15 @@ class ReadAhead:
     """
 
     def __init__(self, items: Sequence[Any], extents: Callable[[Any], Sequence[Extent]], ahead_bytes: int):
-        # Several units may name one stored blob (a torch_dist chunk they share): the first reads it.
-        seen: set[Extent] = set()
-        self._extents = []
-        for u in items:
-            mine = [e for e in extents(u) if e not in seen]
-            seen.update(mine)
-            self._extents.append(mine)
-        sizes = [sum(max(0, n) for _, _, n in e) for e in self._extents]
-        self._cum = [0]
-        for s in sizes:
-            self._cum.append(self._cum[-1] + s)
+        self._items = items
+        self._extents_of = extents
+        # Each item's ranges and bytes, found on the reading thread as it gets there (a job of tens of
+        # thousands of units names them while the first ones run, not before); an item the workers
+        # took first is left out ([]). Several units may name one stored blob (a torch_dist chunk
+        # they share): the first reads it.
+        self._found: list[list[Extent]] = []
+        self._sizes: list[int] = []
+        self._seen: set[Extent] = set()
         self._ahead = ahead_bytes
         self._started = 0
         self._stop = False
@@ -89,18 +87,32 @@ class ReadAhead:
             self._cond.notify()
         self._thread.join()
 
+    def _find(self, i: int) -> list[Extent]:
+        """Item ``i``'s ranges, those before it found first (the reading thread only)."""
+        while len(self._found) <= i:
+            j = len(self._found)
+            mine = [e for e in self._extents_of(self._items[j]) if e not in self._seen] if j >= self._started else []
+            self._seen.update(mine)
+            self._found.append(mine)
+            self._sizes.append(sum(max(0, n) for _, _, n in mine))
+        return self._found[i]
+
     def _next(self, i: int) -> int:
         """The next item to read (waiting until it is within reach), or -1 to stop."""
-        with self._cond:
-            while True:
+        while True:
+            with self._cond:
+                i = max(i, self._started)
+            if self._stop or i >= len(self._items):
+                return -1
+            self._find(i)
+            with self._cond:
+                while not self._stop and i >= self._started and sum(self._sizes[self._started:i]) >= self._ahead:
+                    self._cond.wait()
                 if self._stop:
                     return -1
-                i = max(i, self._started)
-                if i >= len(self._extents):
-                    return -1
-                if self._cum[i] - self._cum[self._started] < self._ahead:
+                if i >= self._started:
                     return i
-                self._cond.wait()
+            # the workers took it meanwhile: on to the first they have not
 
     def _run(self) -> None:
         buf = bytearray(PIECE_BYTES)
@@ -109,7 +121,7 @@ class ReadAhead:
         try:
             i = 0
             while (i := self._next(i)) >= 0:
-                for ext in self._extents[i]:
+                for ext in self._found[i]:
                     if not self._read(fds, i, *ext, view):
                         break
                 i += 1
