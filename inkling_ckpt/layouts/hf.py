@@ -173,13 +173,10 @@ class HFCheckpoint:
     def read_rows(self, name: str, start: int, stop: int, *, device: torch.device | str | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of a tensor (along dim 0), reading only their bytes (onto ``device``)."""
         st = self.tensors[name]
-        row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
-        count = (stop - start) * row
-        path = self.root / st.file
+        path, offset, count = self._span(st, start, stop)
         try:
             with open_regular(path, buffering=0) as f:
-                buf = read_exact(f.fileno(), st.offset + start * row, count, f"{path}: truncated while reading {name}",
-                                 device=device)
+                buf = read_exact(f.fileno(), offset, count, f"{path}: truncated while reading {name}", device=device)
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read {name} ({e.strerror})") from None
         shape = (stop - start, *st.shape[1:]) if st.shape else ()
@@ -189,10 +186,12 @@ class HFCheckpoint:
         """The bytes :meth:`read_rows` of the same rows reads, as ``[(file, offset, length)]`` (for the
         executor's read-ahead; an unknown tensor gives none)."""
         st = self.tensors.get(name)
-        if st is None:
-            return []
+        return [] if st is None else [self._span(st, start, stop)]
+
+    def _span(self, st: StoredTensor, start: int, stop: int) -> tuple[Path, int, int]:
+        """``(file, offset, length)`` of rows ``start:stop`` of a stored tensor (a scalar: its bytes)."""
         row = st.nbytes // st.shape[0] if st.shape and st.shape[0] else st.nbytes
-        return [(self.root / st.file, st.offset + start * row, (stop - start) * row)]
+        return self.root / st.file, st.offset + start * row, (stop - start) * row
 
     def read_expert_rows(self, name: str, expert: int, start: int, stop: int, *,
                          device: torch.device | str | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 
@@ -617,6 +617,17 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
         active.append((off, size))
 
 
+def _overlapping(st: StoredKey, off: Sequence[int], size: Sequence[int]
+                 ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], list[int], list[int]]]:
+    """The stored chunks of ``st`` that the region ``off``+``size`` overlaps: ``(chunk offsets, chunk
+    sizes, lo, hi)``, the overlap ``lo:hi`` in global coordinates."""
+    for c_off, c_size in st.chunks:
+        lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
+        hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
+        if all(x < y for x, y in zip(lo, hi, strict=True)):
+            yield c_off, c_size, lo, hi
+
+
 def _whole(c_off: Sequence[int], c_size: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> bool:
     """The region ``lo:hi`` (global coordinates) is the whole chunk at ``c_off`` of ``c_size``."""
     return list(lo) == list(c_off) and [y - o for y, o in zip(hi, c_off, strict=True)] == list(c_size)
@@ -910,15 +921,21 @@ class TorchDistCheckpoint:
         expert from one big chunk then does not reload it every time).
         """
         if key in self._views:
-            stored, layer = self._views[key]
-            shape = self.keys[key].shape
-            off = tuple(offsets) if offsets is not None else (0,) * len(shape)
-            size = tuple(sizes) if sizes is not None else shape
-            return self._read_stored(self._stacked[stored], (layer, *off), (1, *size), device)[0]
+            stacked, off, size = self._view_region(key, offsets, sizes)
+            return self._read_stored(stacked, off, size, device)[0]
         st = self.keys.get(key)
         if st is None:
             raise CheckpointError(f"{self.folder}: no tensor {key}")
         return self._read_stored(st, offsets, sizes, device)
+
+    def _view_region(self, key: str, offsets: Sequence[int] | None,
+                     sizes: Sequence[int] | None) -> tuple[StoredKey, tuple[int, ...], tuple[int, ...]]:
+        """A region of a per-layer view (``unstack_layers``) as the region of its stacked key."""
+        stored, layer = self._views[key]
+        shape = self.keys[key].shape
+        off = tuple(offsets) if offsets is not None else (0,) * len(shape)
+        size = tuple(sizes) if sizes is not None else shape
+        return self._stacked[stored], (layer, *off), (1, *size)
 
     def extents(self, key: str, offsets: Sequence[int] | None = None,
                 sizes: Sequence[int] | None = None) -> list[tuple[Path, int, int]]:
@@ -926,11 +943,7 @@ class TorchDistCheckpoint:
         from: every chunk overlapping it, whole (a chunk's first read checks its whole blob against
         the sha256 sidecar). For the executor's read-ahead; a region outside the tensor gives none."""
         if key in self._views:
-            stored, layer = self._views[key]
-            shape = self.keys[key].shape
-            st = self._stacked[stored]
-            off = (layer, *(tuple(offsets) if offsets is not None else (0,) * len(shape)))
-            size = (1, *(tuple(sizes) if sizes is not None else shape))
+            st, off, size = self._view_region(key, offsets, sizes)
         else:
             got = self.keys.get(key)
             if got is None:
@@ -939,11 +952,10 @@ class TorchDistCheckpoint:
             off = tuple(offsets) if offsets is not None else (0,) * len(st.shape)
             size = tuple(sizes) if sizes is not None else st.shape
         out = []
-        for c_off, c_size in st.chunks:
-            if all(max(a, b) < min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)):
-                info = self.metadata.storage_data.get(MetadataIndex(st.key, torch.Size(c_off)))
-                if info is not None:
-                    out.append((self.folder / info.relative_path, int(info.offset), int(info.length)))
+        for c_off, _, _, _ in _overlapping(st, off, size):
+            info = self.metadata.storage_data.get(MetadataIndex(st.key, torch.Size(c_off)))
+            if info is not None:
+                out.append((self.folder / info.relative_path, int(info.offset), int(info.length)))
         return out
 
     def _read_stored(self, st: StoredKey, offsets: Sequence[int] | None, sizes: Sequence[int] | None,
@@ -960,11 +972,7 @@ class TorchDistCheckpoint:
         out = torch.empty(size, dtype=st.dtype, device=device)
         on_device = off_host(device) is not None
         covered = 0
-        for c_off, c_size in st.chunks:
-            lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
-            hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
-            if any(y <= x for x, y in zip(lo, hi, strict=True)):
-                continue
+        for c_off, c_size, lo, hi in _overlapping(st, off, size):
             # A whole chunk bound for a GPU goes straight there (no host copy, nothing cached).
             src = self.read_chunk(key, tuple(c_off), device=device) if on_device and _whole(c_off, c_size, lo, hi) \
                 else self._chunk_region(key, tuple(c_off), tuple(c_size), lo, hi, device)
