@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from inkling_ckpt.errors import CheckpointError, IntegrityError
 from inkling_ckpt.layouts import megatron as megatron_layout
 from inkling_ckpt.layouts.megatron import (
-    ChunkItem, ObjectItem, TorchDistCheckpoint, common_state, empty_extra_state, finish_iteration_dir,
+    ChunkItem, ObjectItem, StoredKey, TorchDistCheckpoint, _overlapping, common_state, empty_extra_state,
+    finish_iteration_dir,
 )
 from inkling_ckpt.layouts.megatron_writer import write_dcp
 
@@ -78,6 +80,35 @@ def test_reader_assembles_any_chunking(tmp_path):
     assert ckpt.common["content_metadata"] == {"non_homogeneous_layers": True}
     with pytest.raises(CheckpointError, match="outside"):
         ckpt.read("a", (4, 0), (3, 8))
+
+
+def _guillotine(data, off: tuple[int, ...], size: tuple[int, ...], depth: int) -> list:
+    """A random tiling of the box ``off`` + ``size``: cut along a drawn dimension, recursively."""
+    cuttable = [d for d, z in enumerate(size) if z > 1]
+    if depth == 0 or not cuttable or not data.draw(st.booleans()):
+        return [(off, size)]
+    d = data.draw(st.sampled_from(cuttable))
+    at = data.draw(st.integers(1, size[d] - 1))
+    left = (off, size[:d] + (at,) + size[d + 1:])
+    right = (off[:d] + (off[d] + at,) + off[d + 1:], size[:d] + (size[d] - at,) + size[d + 1:])
+    return _guillotine(data, *left, depth - 1) + _guillotine(data, *right, depth - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_the_chunk_index_finds_exactly_the_chunks_a_region_meets(data):
+    """The bisecting index (one read of a stacked key looks at a few chunks, not all of them) against
+    a plain scan of every chunk, on random tilings: the same chunks, in offset order."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=1, max_size=4)))
+    chunks = _guillotine(data, (0,) * len(shape), shape, 6)
+    key = StoredKey("k", shape, torch.bfloat16, tuple(data.draw(st.permutations(chunks))))
+    for _ in range(5):
+        off = tuple(data.draw(st.integers(0, z - 1)) for z in shape)
+        size = tuple(data.draw(st.integers(1, z - o)) for o, z in zip(off, shape, strict=True))
+        want = sorted(c for c in chunks
+                      if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, c[0], c[1], strict=True)))
+        got = [(c_off, c_size) for c_off, c_size, _, _ in _overlapping(key, off, size)]
+        assert got == want
 
 
 @pytest.mark.parametrize("one_read", [True, False], ids=["one-read", "streamed"])

@@ -44,7 +44,9 @@ import hashlib
 import io
 import json
 import os
+import bisect
 import dataclasses
+import functools
 import pickle
 import re
 import threading
@@ -550,6 +552,51 @@ class StoredKey:
     dtype: torch.dtype
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
+    @functools.cached_property
+    def sizes(self) -> dict[tuple[int, ...], tuple[int, ...]]:
+        """Stored chunk offsets -> their sizes (built once: a stacked key holds layers x experts chunks)."""
+        return {tuple(o): tuple(z) for o, z in self.chunks}
+
+    @functools.cached_property
+    def index(self) -> "_ChunkIndex":
+        """The chunks as a search tree (built once): see :func:`_overlapping`."""
+        return _ChunkIndex(self.chunks, 0, len(self.shape))
+
+
+_Chunk = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _ChunkIndex:
+    """Chunks grouped by their offset along one dimension, each group indexed by the next dimension.
+
+    Finding the chunks a region meets bisects each level: a read of one expert of a stacked
+    [layers, experts, ...] key looks at the one chunk it needs, not at every one of the key's
+    (layers x experts: thousands). A group's candidates start above ``lo - longest`` (the longest
+    chunk along that dimension) and below ``hi``; the last level checks every dimension exactly.
+    """
+
+    def __init__(self, chunks: Sequence[_Chunk], dim: int, ndim: int):
+        groups: dict[int, list[_Chunk]] = {}
+        for c in chunks:
+            groups.setdefault(c[0][dim], []).append(c)
+        self.dim, self.starts = dim, sorted(groups)
+        self.longest = max((c[1][dim] for c in chunks), default=0)
+        self.leaf = dim + 1 == ndim
+        self.children: list[Any] = [groups[k] if self.leaf else _ChunkIndex(groups[k], dim + 1, ndim)
+                                    for k in self.starts]
+
+    def meeting(self, off: Sequence[int], size: Sequence[int]) -> Iterator[_Chunk]:
+        """The chunks that the region ``off`` + ``size`` overlaps, in offset order."""
+        lo, hi = off[self.dim], off[self.dim] + size[self.dim]
+        for child in self.children[bisect.bisect_right(self.starts, lo - self.longest):
+                                   bisect.bisect_left(self.starts, hi)]:
+            if not self.leaf:
+                yield from child.meeting(off, size)
+                continue
+            for c in child:
+                if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, c[0], c[1], strict=True)):
+                    yield c
+
 
 def resolve_iteration_dir(path: Path) -> Path:
     """The iteration folder of a Megatron save folder (tracker) or the folder itself."""
@@ -621,7 +668,7 @@ def _overlapping(st: StoredKey, off: Sequence[int], size: Sequence[int]
                  ) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], list[int], list[int]]]:
     """The stored chunks of ``st`` that the region ``off``+``size`` overlaps: ``(chunk offsets, chunk
     sizes, lo, hi)``, the overlap ``lo:hi`` in global coordinates."""
-    for c_off, c_size in st.chunks:
+    for c_off, c_size in (st.index.meeting(off, size) if off else st.chunks):
         lo = [max(a, b) for a, b in zip(off, c_off, strict=True)]
         hi = [min(a + s, b + t) for a, s, b, t in zip(off, size, c_off, c_size, strict=True)]
         if all(x < y for x, y in zip(lo, hi, strict=True)):
@@ -830,7 +877,7 @@ class TorchDistCheckpoint:
         st = self._stacked.get(key) or self.keys[key]
         info, path = self._storage(key, offsets)
         what = f"{path}: chunk of {key}"
-        sizes = dict(st.chunks).get(offsets)
+        sizes = st.sizes.get(tuple(offsets))
         gpu = off_host(device)
         if gpu is not None and sizes is not None:
             lay = self._layout(key, offsets, verify=False)
@@ -899,11 +946,12 @@ class TorchDistCheckpoint:
         for st in stacked:
             name = st.key[len("decoder.layers."):]
             del self.keys[st.key]
+            zeros = (0,) * (len(st.shape) - 1)
             for i in range(num_layers):
                 view = f"decoder.layers.{i}.{name}"
                 if view in self.keys:
                     raise CheckpointError(f"{self.folder}: {view} is stored both per layer and stacked")
-                chunks = tuple((off[1:], size[1:]) for off, size in st.chunks if off[0] <= i < off[0] + size[0])
+                chunks = tuple((off[1:], size[1:]) for off, size in st.index.meeting((i, *zeros), (1, *st.shape[1:])))
                 self.keys[view] = StoredKey(view, st.shape[1:], st.dtype, chunks)
                 self._views[view] = (st.key, i)
                 self._stacked[st.key] = st
@@ -966,9 +1014,8 @@ class TorchDistCheckpoint:
         if len(off) != len(st.shape) or len(size) != len(st.shape) \
                 or any(o < 0 or o + s > g for o, s, g in zip(off, size, st.shape, strict=True)):
             raise CheckpointError(f"{key}: region {off}+{size} is outside {list(st.shape)}")
-        for c_off, c_size in st.chunks:
-            if tuple(c_off) == off and tuple(c_size) == size:
-                return self.read_chunk(key, c_off, device=device)
+        if st.sizes.get(off) == tuple(size):
+            return self.read_chunk(key, off, device=device)
         out = torch.empty(size, dtype=st.dtype, device=device)
         on_device = off_host(device) is not None
         covered = 0
@@ -1031,7 +1078,7 @@ class TorchDistCheckpoint:
         info, path = self._storage(key, c_off)
         if k in self._layouts and not (verify and self._sums and (info.relative_path, info.offset) not in self._verified):
             return self._layouts[k]
-        sizes = dict(st.chunks).get(c_off)
+        sizes = st.sizes.get(c_off)
         try:
             with open_regular(path, buffering=0) as f:
                 if os.fstat(f.fileno()).st_size < info.offset + info.length:
