@@ -51,8 +51,8 @@ def main() -> None:
         t = time.perf_counter()
         key.index  # noqa: B018  (built once per key, on its first read)
         build = time.perf_counter() - t
-        idx = _per_read(lambda o, s: list(_overlapping(key, o, s)), regions)
-        base = _per_read(lambda o, s: _scan(key, o, s), regions)
+        idx = _per_read(lambda o, s, k=key: list(_overlapping(k, o, s)), regions)
+        base = _per_read(lambda o, s, k=key: _scan(k, o, s), regions)
         print(f"{name} ({len(chunks)} chunks): index {idx * 1e6:.1f} us/read (built once in {build * 1e3:.0f} ms), "
               f"plain scan {base * 1e6:.0f} us/read: {base / idx:.0f}x; "
               f"{len(chunks)} reads: {idx * len(chunks):.2f} s vs {base * len(chunks):.1f} s")

@@ -295,3 +295,33 @@ def test_unchanged_blocks_are_found_band_by_band_as_in_one_go(fmt, monkeypatch):
     for k in (WEIGHT, SCALE):
         assert torch.equal(again[k].view(torch.uint8), ref[k].view(torch.uint8)), k
         assert again[k].data_ptr() != ref[k].data_ptr()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_into_a_given_buffer_gives_the_fresh_decode(fmt, dtype, device):
+    """``out=`` (a unit decodes its pieces into one buffer): every element written, the same bits
+    as a fresh decode, whole or in budgeted slices, and the buffer's memory returned."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    w = _w(e=5)
+    parts = {WEIGHT: w} if fmt == "bf16" else encode_stacked(fmt, w, name="w")
+    parts = {k: v.to(device) for k, v in parts.items()}
+    want = decode_stacked(fmt, parts, dtype)
+    for budget in (None, 2 * 32 * 64 * 5):
+        buf = torch.full(want.shape, float("nan"), dtype=dtype, device=device)  # leftovers must not show
+        got = decode_stacked(fmt, parts, dtype, out=buf, budget_bytes=budget)
+        assert got.data_ptr() == buf.data_ptr()
+        assert torch.equal(got.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                           want.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+
+
+def test_a_decode_buffer_of_another_shape_dtype_or_layout_is_refused():
+    parts = encode_stacked("mxfp8", _w(e=3), name="w")
+    for bad, what in ((torch.empty(3, 32, 63), r"float32 \[3, 32, 63\]"), (torch.empty(3, 32, 64, dtype=torch.bfloat16), "bfloat16"),
+                      (torch.empty(3, 64, 32).transpose(1, 2), "not contiguous"), ("buffer", "str")):
+        with pytest.raises(FormatError, match=f"w: out must be a contiguous torch.float32 \\[3, 32, 64\\] on cpu, got .*{what}"):
+            decode_stacked("mxfp8", parts, torch.float32, name="w", out=bad)
+    with pytest.raises(FormatError, match="out must be"):
+        decode_stacked("bf16", {WEIGHT: _w(e=3)}, torch.float32, name="w", out=torch.empty(3, 32, 64).transpose(1, 2))

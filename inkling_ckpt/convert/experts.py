@@ -99,6 +99,27 @@ def largest_piece(n: int, rows: int, cols: int, elems: int, row_multiple: int = 
     return max(len(js) * (hi - lo) * cols for js, lo, hi in expert_pieces(range(max(1, n)), rows, cols, elems, row_multiple))
 
 
+class PieceBuffer:
+    """One buffer that a unit's pieces are decoded (or formed) into one after another, grown to the
+    largest: fresh host memory of a piece's size is mapped apart (``pipeline.memory``) and the page
+    faults of touching it cost about as much as decoding it. Lives as long as the unit's work; what
+    :meth:`take` returned is overwritten by the next take."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        self.dtype, self.device = dtype, torch.device(device)
+        self._t: torch.Tensor | None = None
+
+    def take(self, *shape: int) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` over the buffer (its values are left over)."""
+        n = 1
+        for z in shape:
+            n *= z
+        if self._t is None or self._t.numel() < n:
+            self._t = None  # the old one goes first
+            self._t = torch.empty(n, dtype=self.dtype, device=self.device)
+        return self._t[:n].view(shape)
+
+
 def expert_index(experts: Sequence[int]) -> slice | torch.Tensor:
     """Experts ``experts`` (indices into a slice) as an index: a slice when they are consecutive (a view)."""
     experts = list(experts)

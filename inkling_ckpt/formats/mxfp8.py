@@ -197,8 +197,12 @@ class MXFP8Format(Format):
         lead = tuple(x.shape[:-1])
         return {"weight": weight.view(*lead, width), "weight_scale": scale.view(*lead, nb)}
 
-    def decode(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """``fp8(q) * 2^(scale - 127)`` in float32 (0xFF scale -> NaN block), then cast to ``dtype``."""
+    def decode(self, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``fp8(q) * 2^(scale - 127)`` in float32 (0xFF scale -> NaN block), then cast to ``dtype``.
+
+        ``out``: a contiguous ``dtype`` tensor of the weight's shape and device to decode into (a
+        reused buffer spares the page faults of fresh memory)."""
         check_out_dtype(dtype)
         parts = dict(parts)
         sc = parts.get("weight_scale")
@@ -219,9 +223,14 @@ class MXFP8Format(Format):
         nb = width // BLOCK
         w2 = w.contiguous().view(rows, width)
         sc2 = sc.contiguous().view(rows, nb)
+        if out is not None and (tuple(out.shape) != tuple(w.shape) or out.dtype != dtype or out.device != w.device
+                                or not out.is_contiguous()):
+            raise FormatError(f"mxfp8: out must be a contiguous {dtype} {list(w.shape)} on {w.device}, "
+                              f"got {out.dtype} {list(out.shape)} on {out.device}")
         if _gpu.wants_decode(w2, dtype):  # CUDA tensor + Triton: fused kernel, same values
-            return _gpu.mxfp8_decode_2d(w2, sc2, self.element, dtype).view(*lead, width)
-        out = torch.empty((rows, width), dtype=dtype, device=w.device)
+            got = _gpu.mxfp8_decode_2d(w2, sc2, self.element, dtype).view(*lead, width)
+            return got if out is None else out.copy_(got)
+        out = torch.empty((rows, width), dtype=dtype, device=w.device) if out is None else out.view(rows, width)
         elem_table = decode_table(self.elem, w.device)
         scale_table = decode_table(E8M0, w.device)
         for r0, r1 in row_chunks(rows, width):

@@ -353,8 +353,12 @@ def _raise_first_nonfinite(fname: str, w: torch.Tensor, name: str) -> None:
 
 def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16, *,
                    name: str = "experts", allow_nonfinite: bool = False, device: str | torch.device | None = None,
-                   budget_bytes: int | None = None) -> torch.Tensor:
+                   budget_bytes: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a stacked expert weight's parts (any leading slice of experts) to ``dtype`` [E, R, C].
+
+    ``out``: a contiguous ``dtype`` [E, R, C] tensor on the weight's device to decode into (and
+    return). A caller decoding piece after piece passes one buffer: fresh host memory of a piece's
+    size is mapped apart (``pipeline.memory``) and its page faults cost about as much as the decode.
 
     Scales that cannot come from a quantizer (NVFP4 amax / denominator ≤ 0 or non-finite,
     negative or NaN block scales, MXFP8 NaN scale bytes) raise NonFiniteError naming the tensor
@@ -374,7 +378,10 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
     if fname in UNQUANTIZED:
         if w.dtype != UNQUANTIZED[fname]:
             raise FormatError(f"{fname}: {name}: weight is {w.dtype}, expected {UNQUANTIZED[fname]}")
-        return w.to(dtype)
+        if out is None:
+            return w.to(dtype)
+        _check_out(out, tuple(w.shape), dtype, w.device, name)
+        return out.copy_(w)  # the same conversion as .to(dtype)
     sc = parts.get(SCALE)
     if not isinstance(sc, torch.Tensor):
         raise FormatError(f"{fname}: {name}: missing block scales ({name}{SCALE})")
@@ -390,22 +397,32 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
                               f"(expected scale [E, R, C/32])")
     else:
         scale2 = _nvfp4_globals(parts, w, sc, name)
+    if out is not None:
+        _check_out(out, (e, r, cw * 2 if scale2 is not None else cw), dtype, w.device, name)
     dev = _compute_device(device, w, name)
     if dev != w.device or budget_bytes is not None:
         if scale2 is not None and not allow_nonfinite:
             _check_factor(_factor(scale2), name)  # [E] only, before any slice
-        return _decode_sliced(fname, w, sc, scale2, dtype, name, allow_nonfinite, dev, _budget(budget_bytes))
+        return _decode_sliced(fname, w, sc, scale2, dtype, name, allow_nonfinite, dev, _budget(budget_bytes), out)
     # Decoded first, checked after: on a device the kernels flag bad scale bytes as they read them
     # (and NVFP4's global factors as they compute them), so the one host synchronization waits for
     # the decode alone and reads one flag.
     if scale2 is not None:
         scale2 = (scale2[0].to(w.device), scale2[1].to(w.device))
-    out, bad = _decode_values(w, sc, scale2, dtype, check=not allow_nonfinite)
+    out, bad = _decode_values(w, sc, scale2, dtype, check=not allow_nonfinite, out=out)
     if bad is not None and bool(bad):  # the one host synchronization of the call
         if scale2 is not None:
             _check_factor(_factor(scale2), name)
         _check_scales(fname, sc, name)
     return out
+
+
+def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> None:
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype \
+            or out.device != device or not out.is_contiguous():
+        got = (f"{out.dtype} {list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise FormatError(f"{name}: out must be a contiguous {dtype} {list(shape)} on {device}, got {got}")
 
 
 def _nvfp4_globals(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor,
@@ -476,27 +493,29 @@ def _check_scales(fname: str, sc: torch.Tensor, name: str) -> None:
 
 
 def _decode_values(w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor, torch.Tensor] | None,
-                   dtype: torch.dtype, *, check: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   dtype: torch.dtype, *, check: bool,
+                   out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(decoded [E, R, C] on w's device, with ``check`` a one-element device tensor, non-zero where
     some scale byte is one no quantizer writes or some NVFP4 factor is not finite and > 0, else
     None) for NVFP4 with ``scale2`` = (amax [E], denominator [1] or [E]) on w's device, or MXFP8
     where ``scale2`` is None. The kernels where they apply (no host synchronization); on the CPU
-    NVFP4 by per-expert tables (the reference's bits); else the reference."""
+    NVFP4 by per-expert tables (the reference's bits); else the reference. ``out``: where to decode
+    (checked by the caller), else a fresh tensor."""
     e, r, cw = w.shape
     cols = cw if scale2 is None else cw * 2
     fname = "mxfp8" if scale2 is None else "nvfp4"
     if not (_gpu.wants_decode(w, dtype) and w.numel()):
         bad = _bad_scales_flag(fname, sc) if check else None
         if scale2 is None:
-            return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype), bad
+            return MXFP8Format().decode({"weight": w, "weight_scale": sc}, dtype, out=out), bad
         factor = _factor(scale2)
         if bad is not None:
             bad = bad | _bad_factor(factor).any()
         if w.device.type == "cpu" and dtype.itemsize in _PAIR_BITS:
-            return _decode_nvfp4_tables(w, sc, factor, dtype), bad
-        return _decode_nvfp4_reference(w, sc, factor, dtype), bad
+            return _decode_nvfp4_tables(w, sc, factor, dtype, out), bad
+        return _decode_nvfp4_reference(w, sc, factor, dtype, out), bad
     ops = _gpu._load()
-    out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    out = torch.empty((e, r, cols), dtype=dtype, device=w.device) if out is None else out
     flag = torch.zeros(1, dtype=torch.int32, device=w.device) if check else None
     for e0, e1 in _contiguous_slices(w, sc):
         n = e1 - e0
@@ -510,11 +529,12 @@ def _decode_values(w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor
     return out, flag
 
 
-def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     e, r, half = w.shape
     cols = half * 2
     nb = cols // NVFP4_BLOCK
-    out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    out = torch.empty((e, r, cols), dtype=dtype, device=w.device) if out is None else out
     pair = _pair_table(w.device)
     e4m3 = decode_table(E4M3, w.device)
     # Rows of all experts in one sequence, each with its expert's factor, so chunks span experts:
@@ -532,7 +552,8 @@ def _decode_nvfp4_reference(w: torch.Tensor, sc: torch.Tensor, factor: torch.Ten
     return out
 
 
-def _decode_nvfp4_tables(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _decode_nvfp4_tables(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor, dtype: torch.dtype,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
     """The reference's values on the CPU, a lookup per weight byte: each expert's table holds the
     reference's own float32 steps applied to all 65536 (scale byte, element-pair byte) combinations,
     ``(pair * f32(scale)) * factor`` then the cast, so every entry is the bits the reference gives
@@ -542,7 +563,7 @@ def _decode_nvfp4_tables(w: torch.Tensor, sc: torch.Tensor, factor: torch.Tensor
     e, r, half = w.shape
     nb = half * 2 // NVFP4_BLOCK
     blocks = r * nb
-    out = torch.empty((e, r, half * 2), dtype=dtype)
+    out = torch.empty((e, r, half * 2), dtype=dtype) if out is None else out
     if not out.numel():
         return out
     bits = _PAIR_BITS[dtype.itemsize]
@@ -573,10 +594,11 @@ def _scaled_pairs() -> torch.Tensor:
 
 
 def _decode_sliced(fname: str, w: torch.Tensor, sc: torch.Tensor, scale2: tuple[torch.Tensor, torch.Tensor] | None,
-                   dtype: torch.dtype, name: str, allow_nonfinite: bool, dev: torch.device, budget: int) -> torch.Tensor:
+                   dtype: torch.dtype, name: str, allow_nonfinite: bool, dev: torch.device, budget: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     e, r, cw = w.shape
     cols = cw * 2 if fname == "nvfp4" else cw
-    out = torch.empty((e, r, cols), dtype=dtype, device=w.device)
+    out = torch.empty((e, r, cols), dtype=dtype, device=w.device) if out is None else out
     per_expert = _nbytes(w.shape[1:], w.dtype) + _nbytes(sc.shape[1:], sc.dtype) + _nbytes((r, cols), dtype)
     flags: list[torch.Tensor] = []
     relay = _Relay(w.device, dev)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..convert.experts import cut_piece, expert_index, expert_pieces, largest_piece, read_parts
+from ..convert.experts import PieceBuffer, cut_piece, expert_index, expert_pieces, largest_piece, read_parts
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
@@ -482,9 +482,12 @@ class _Merger:
         # host checks of a piece at a time (a real w13 expert is five pieces), the same bytes (the
         # codecs work block by block).
         whole = self.whole_slices and bool(live)
+        # host pieces decode into one buffer, and the products form in another (PieceBuffer)
+        decoded = PieceBuffer() if dev.type == "cpu" else None
+        products = PieceBuffer()
         for js, r0, r1 in [(list(live), 0, rows)] if whole else cuts:
             piece = {k: t.contiguous() for k, t in cut_piece(parts, js, r0, r1).items()}
-            x = _decode(fmt, piece, u.base)
+            x = _decode(fmt, piece, u.base, None if decoded is None else decoded.take(len(js), r1 - r0, cols))
             # w13 rows are gate/up interleaved on disk: gate rows 0::2 (w1), up rows 1::2 (w3); a
             # piece starts on an even row, so its gate rows are B's rows r0/2:r1/2
             halves = deinterleave(x) if gate_up else None
@@ -495,7 +498,8 @@ class _Merger:
                 for j in cjs:
                     f_j = {k: shared[k] if k in shared else fac[k][j] for k in u.factors}
                     for i, bs, jj, as_ in live[j]:
-                        d = f_j[(i, bs)][b0:b1] @ f_j[(jj, as_)]
+                        a_j = f_j[(jj, as_)]
+                        d = torch.matmul(f_j[(i, bs)][b0:b1], a_j, out=products.take(b1 - b0, a_j.shape[1]))
                         d.mul_(self.s)  # W + s * (B @ A), rounded in that order
                         rows_of = x[at[j]] if halves is None else halves[i][at[j]]
                         rows_of[o0:o1].add_(d if dev.type == "cpu" else d.to(dev))
@@ -567,11 +571,12 @@ def _read_parts(base: _Base, stack: ExpertStack, first: int, last: int,
     return parts
 
 
-def _decode(fmt: str, parts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-    """float32 [n, rows, cols] of stored experts (exact for every format; float stacks in any dtype)."""
+def _decode(fmt: str, parts: dict[str, torch.Tensor], name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [n, rows, cols] of stored experts (exact for every format; float stacks in any dtype),
+    into ``out`` when given."""
     if fmt == "bf16":
-        return parts[WEIGHT].to(torch.float32)
-    return decode_stacked(fmt, parts, torch.float32, name=name)
+        return parts[WEIGHT].to(torch.float32) if out is None else out.copy_(parts[WEIGHT])
+    return decode_stacked(fmt, parts, torch.float32, name=name, out=out)
 
 
 def _encode(fmt: str, x: torch.Tensor, kept: dict[str, torch.Tensor], wdtype: torch.dtype,

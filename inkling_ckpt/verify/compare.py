@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..convert.experts import cut_piece, expert_pieces, largest_piece, parts_extents, read_parts, reads_pieces
+from ..convert.experts import PieceBuffer, cut_piece, expert_pieces, largest_piece, parts_extents, read_parts, reads_pieces
 from ..convert.requantize import dense_reads, read_dense
 from ..formats.stacked import UNQUANTIZED, decode_stacked
 from ..layouts.detect import HF, TORCH_DIST, detect_layout
@@ -539,13 +539,18 @@ def _compare_experts(a: Any, b: Any, sa: ExpertStack, sb: ExpertStack, first: in
             at = [j - first for j in js]
             return cut_piece(pa, at, lo, hi), cut_piece(pb, at, lo, hi), same
     out: list[Entry] = []
+    # each side's pieces decode into one buffer of its own (PieceBuffer), where they are on the host
+    bufs = (PieceBuffer(), PieceBuffer()) if ex.device.type == "cpu" else None
     for js, lo, hi in cut:
         qa, qb, same_piece = piece(js, lo, hi)
-        da = decode_stacked(sa.fmt, qa, torch.float32, name=sa.name, allow_nonfinite=True)
+        shape = (len(js), hi - lo, cols)
+        da = decode_stacked(sa.fmt, qa, torch.float32, name=sa.name, allow_nonfinite=True,
+                            out=None if bufs is None else bufs[0].take(*shape))
         if same_piece:  # equal bytes: the figures of a bit-identical copy
             out.append((sa.name, astuple(exact_stats(da)), None))
             continue
-        stats = tensor_stats(da, decode_stacked(sb.fmt, qb, torch.float32, name=sb.name, allow_nonfinite=True))
+        stats = tensor_stats(da, decode_stacked(sb.fmt, qb, torch.float32, name=sb.name, allow_nonfinite=True,
+                                                out=None if bufs is None else bufs[1].take(*shape)))
         del da
         out.append((sa.name, astuple(stats), None if stats.bit_exact_tensors else _bf16_decode(sa, qa, sb, qb)))
     return out
