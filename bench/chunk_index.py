@@ -4,7 +4,8 @@ A torch_dist expert weight holds one chunk per expert: 384 for a per-layer key, 
 key saved with stacked ("homogeneous") layers. megatron-to-hf, verify and lora merge read it
 expert by expert, so every read looks its chunks up. Printed per read: the reader's bisecting
 index (:class:`inkling_ckpt.layouts.megatron._ChunkIndex`, its one-off build shown apart) beside
-the baseline, a plain scan of every chunk, measured in the same run.
+the baseline, a plain scan of every chunk, measured in the same run; and the check at open that
+the key's chunks tile it (through the same index).
 
     python bench/chunk_index.py [--layers 48] [--experts 384]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from inkling_ckpt.layouts.megatron import StoredKey, _overlapping  # noqa: E402
+from inkling_ckpt.layouts.megatron import StoredKey, _check_tiling, _overlapping  # noqa: E402
 
 
 def _scan(key: StoredKey, off: tuple[int, ...], size: tuple[int, ...]) -> list:
@@ -46,6 +47,9 @@ def main() -> None:
         "stacked key": ((L, E, R, C), [((i, e, 0, 0), (1, 1, R, C)) for i in range(L) for e in range(E)]),
     }
     for name, (shape, chunks) in cases.items():
+        t = time.perf_counter()
+        _check_tiling(Path("bench"), StoredKey("k", shape, torch.bfloat16, tuple(chunks)))  # at open, index built
+        tiling = time.perf_counter() - t
         key = StoredKey("k", shape, torch.bfloat16, tuple((c, s) for c, s in chunks))
         regions = chunks[:: max(1, len(chunks) // 2000)]
         t = time.perf_counter()
@@ -55,7 +59,8 @@ def main() -> None:
         base = _per_read(lambda o, s, k=key: _scan(k, o, s), regions)
         print(f"{name} ({len(chunks)} chunks): index {idx * 1e6:.1f} us/read (built once in {build * 1e3:.0f} ms), "
               f"plain scan {base * 1e6:.0f} us/read: {base / idx:.0f}x; "
-              f"{len(chunks)} reads: {idx * len(chunks):.2f} s vs {base * len(chunks):.1f} s")
+              f"{len(chunks)} reads: {idx * len(chunks):.2f} s vs {base * len(chunks):.1f} s; "
+              f"tiling check at open {tiling * 1e3:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 from inkling_ckpt.errors import CheckpointError, IntegrityError
 from inkling_ckpt.layouts import megatron as megatron_layout
 from inkling_ckpt.layouts.megatron import (
-    ChunkItem, ObjectItem, StoredKey, TorchDistCheckpoint, _overlapping, common_state, empty_extra_state,
+    ChunkItem, ObjectItem, StoredKey, TorchDistCheckpoint, _check_tiling, _overlapping, common_state, empty_extra_state,
     finish_iteration_dir,
 )
 from inkling_ckpt.layouts.megatron_writer import write_dcp
@@ -109,6 +109,24 @@ def test_the_chunk_index_finds_exactly_the_chunks_a_region_meets(data):
                       if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, c[0], c[1], strict=True)))
         got = [(c_off, c_size) for c_off, c_size, _, _ in _overlapping(key, off, size)]
         assert got == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_tiling_passes_and_an_overlap_with_the_same_volume_is_named(data):
+    """Random tilings pass the tiling check; moving one chunk onto another's place (the volumes
+    still add up) or storing one twice in place of another of its size fails, naming both."""
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    chunks = _guillotine(data, (0,) * len(shape), shape, 6)
+    _check_tiling(Path("f"), StoredKey("k", shape, torch.bfloat16, tuple(data.draw(st.permutations(chunks)))))
+    same = [(i, j) for i in range(len(chunks)) for j in range(len(chunks)) if i != j and chunks[i][1] == chunks[j][1]]
+    if not same:
+        return
+    i, j = data.draw(st.sampled_from(same))
+    bad = list(chunks)
+    bad[i] = chunks[j]  # j stored twice, i's place left empty
+    with pytest.raises(CheckpointError, match=r"chunks of k at .* overlap"):
+        _check_tiling(Path("f"), StoredKey("k", shape, torch.bfloat16, tuple(bad)))
 
 
 @pytest.mark.parametrize("one_read", [True, False], ids=["one-read", "streamed"])

@@ -627,8 +627,10 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
     """The stored chunks of a tensor lie inside it, do not overlap, and cover it exactly.
 
     Volumes adding up is not enough: two overlapping chunks leave rows that no chunk holds,
-    which would be published as uninitialised memory. Sorted by offset along dim 0, a chunk
-    is compared only with those whose dim-0 range it meets (per-expert and TP grids: a few).
+    which would be published as uninitialised memory. Each chunk is looked up in the key's
+    index (:class:`_ChunkIndex`), which finds only itself where nothing overlaps it: a stacked
+    save's [48, 384, ...] expert weight (18432 chunks) is checked in a fraction of a second, where
+    comparing each chunk with those sharing its layer took ~9 s.
     """
     where = f"{folder / DCP_METADATA}"
     total, got = 1, 0
@@ -655,13 +657,13 @@ def _check_tiling(folder: Path, st: "StoredKey") -> None:
             raise CheckpointError(f"{where}: scalar {st.key} is stored {len(boxes)} times")
         return
     boxes.sort()
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
     for off, size in boxes:
-        active = [b for b in active if b[0][0] + b[1][0] > off[0]]
-        for o2, z2 in active:
-            if all(a < b + y and b < a + x for a, x, b, y in zip(off, size, o2, z2, strict=True)):
-                raise CheckpointError(f"{where}: chunks of {st.key} at {list(o2)} and {list(off)} overlap")
-        active.append((off, size))
+        # the chunk itself, and any other it overlaps (a duplicate included), by the key's index
+        hits = list(st.index.meeting(off, size))
+        if len(hits) > 1:
+            o2 = next((o for o, _ in hits if o != off), off)
+            first, second = sorted((o2, off))
+            raise CheckpointError(f"{where}: chunks of {st.key} at {list(first)} and {list(second)} overlap")
 
 
 def _overlapping(st: StoredKey, off: Sequence[int], size: Sequence[int]
