@@ -3,6 +3,7 @@
 Fresh host blocks from 8 MiB up are mapped apart (``inkling_ckpt.pipeline.memory``), so a piece
 decoded into fresh memory faults its pages in every time. Prints, per operation, the best time of
 ``--repeat`` calls and the page faults per call, both ways, and a 16 MiB copy as the baseline.
+Torch's transparent huge pages are on as the CLI runs (``--no-huge-pages``: off).
 
     python bench/piece_buffer.py [--rows 1824] [--cols 2304] [--threads 1]
 """
@@ -10,13 +11,16 @@ decoded into fresh memory faults its pages in every time. Prints, per operation,
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+if "--no-huge-pages" not in sys.argv:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the CLI sets it (cli/app.py), before torch loads
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inkling_ckpt.formats.stacked import decode_stacked, encode_stacked  # noqa: E402
@@ -44,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=32, help="LoRA rank of the product")
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="leave torch's transparent huge pages off (the CLI turns them on: THP_MEM_ALLOC_ENABLE=1)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     steady_memory()  # the commands' allocator settings
