@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from inkling_ckpt.formats._base import block_amax_bits
-from inkling_ckpt.formats.mxfp8 import MXFP8Format
+from inkling_ckpt.formats.mxfp8 import ELEMENTS, MXFP8Format
 from inkling_ckpt.formats.nvfp4 import NVFP4Format
 
 BF = torch.bfloat16
@@ -96,3 +96,22 @@ def test_bit_helpers_fp32_edges():
     assert torch.equal(block_amax_bits(blocks, buf), torch.full((2,), float("inf")))
     assert torch.equal(block_amax_bits(-v[:5].view(1, -1), buf), torch.tensor([1.0]))
     assert block_amax_bits(v.view(1, -1)).isnan().all()
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, BF, torch.float16])
+def test_mxfp8_fast_decode_gives_the_reference_bits_for_every_combination(element, dtype):
+    """The CPU decode (values and scales by table, then their product): every one of the 65536
+    (scale byte, element byte) combinations, NaN scale and NaN / infinite elements included, gives
+    the reference's bits."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    weight = codes.repeat(256, 1).view(ELEMENTS[element].torch_dtype)  # row s: every element byte
+    scale = torch.arange(256, dtype=torch.uint8).view(256, 1).expand(256, 256 // 32).contiguous()
+    parts = {"weight": weight, "weight_scale": scale}
+    fast = MXFP8Format(element=element).decode(parts, dtype)
+    ref = MXFP8Format(element=element, fast=False).decode(parts, dtype)
+    nan = ref.isnan()  # NaN payloads differ (the float8 cast keeps more bits), NaN-ness does not
+    assert torch.equal(fast.isnan(), nan)
+    assert same(fast.masked_fill(nan, 0), ref.masked_fill(nan, 0))
+    nan_codes = 2 if element == "e4m3" else 6  # E4M3: 0x7F, 0xFF; E5M2: 0x7D-0x7F, 0xFD-0xFF
+    assert int(nan.sum()) == 256 + 255 * nan_codes  # the NaN scale's row, and each NaN code under the rest
