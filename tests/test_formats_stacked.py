@@ -325,3 +325,6 @@ def test_a_decode_buffer_of_another_shape_dtype_or_layout_is_refused():
             decode_stacked("mxfp8", parts, torch.float32, name="w", out=bad)
     with pytest.raises(FormatError, match="out must be"):
         decode_stacked("bf16", {WEIGHT: _w(e=3)}, torch.float32, name="w", out=torch.empty(3, 32, 64).transpose(1, 2))
+    flat = {"weight": parts[WEIGHT][0], "weight_scale": parts[SCALE][0]}  # the per-tensor codec checks its own
+    with pytest.raises(FormatError, match=r"mxfp8: out must be a contiguous torch.float32 \[32, 64\] on cpu, got .*\[64, 32\]"):
+        get_format("mxfp8").decode(flat, torch.float32, out=torch.empty(64, 32))

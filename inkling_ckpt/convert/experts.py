@@ -105,8 +105,8 @@ class PieceBuffer:
     faults of touching it cost about as much as decoding it. Lives as long as the unit's work; what
     :meth:`take` returned is overwritten by the next take."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        self.dtype, self.device = dtype, torch.device(device)
+    def __init__(self, dtype: torch.dtype = torch.float32):
+        self.dtype = dtype
         self._t: torch.Tensor | None = None
 
     def take(self, *shape: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ class PieceBuffer:
             n *= z
         if self._t is None or self._t.numel() < n:
             self._t = None  # the old one goes first
-            self._t = torch.empty(n, dtype=self.dtype, device=self.device)
+            self._t = torch.empty(n, dtype=self.dtype)
         return self._t[:n].view(shape)
 
 

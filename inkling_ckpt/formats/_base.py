@@ -195,6 +195,15 @@ def check_out_dtype(dtype: torch.dtype) -> None:
         raise FormatError(f"decode: target dtype must be a float dtype, got {dtype}")
 
 
+def check_out_buffer(out: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device, what: str) -> None:
+    """FormatError unless ``out`` (a buffer to decode into) is a contiguous ``dtype`` tensor of ``shape`` on ``device``."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) or out.dtype != dtype \
+            or out.device != device or not out.is_contiguous():
+        got = (f"{out.dtype} {list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise FormatError(f"{what}: out must be a contiguous {dtype} {list(shape)} on {device}, got {got}")
+
+
 def reject_nvfp4_options(fmt_name: str, name: str, what: str, **options: object) -> None:
     """FormatError when a format without a global scale is handed NVFP4's scale options."""
     for opt, v in options.items():

@@ -40,6 +40,7 @@ from ._base import (
     PartSpec,
     block_amax_bits,
     check_input,
+    check_out_buffer,
     check_out_dtype,
     check_width,
     raise_nonfinite,
@@ -223,10 +224,8 @@ class MXFP8Format(Format):
         nb = width // BLOCK
         w2 = w.contiguous().view(rows, width)
         sc2 = sc.contiguous().view(rows, nb)
-        if out is not None and (tuple(out.shape) != tuple(w.shape) or out.dtype != dtype or out.device != w.device
-                                or not out.is_contiguous()):
-            raise FormatError(f"mxfp8: out must be a contiguous {dtype} {list(w.shape)} on {w.device}, "
-                              f"got {out.dtype} {list(out.shape)} on {out.device}")
+        if out is not None:
+            check_out_buffer(out, w.shape, dtype, w.device, "mxfp8")
         if _gpu.wants_decode(w2, dtype):  # CUDA tensor + Triton: fused kernel, same values
             got = _gpu.mxfp8_decode_2d(w2, sc2, self.element, dtype).view(*lead, width)
             return got if out is None else out.copy_(got)

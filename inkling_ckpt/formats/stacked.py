@@ -32,7 +32,7 @@ import torch
 
 from ..errors import FormatError, NonFiniteError
 from . import gpu as _gpu
-from ._base import (FLOAT_INPUTS, block_amax_bits, check_out_dtype, nonfinite_error, raise_nonfinite, require_parts,
+from ._base import (FLOAT_INPUTS, block_amax_bits, check_out_buffer, check_out_dtype, nonfinite_error, raise_nonfinite, require_parts,
                     row_chunks)
 from .encodings import E4M3, decode_table
 from .mxfp8 import BLOCK as MXFP8_BLOCK, MXFP8Format
@@ -380,7 +380,7 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
             raise FormatError(f"{fname}: {name}: weight is {w.dtype}, expected {UNQUANTIZED[fname]}")
         if out is None:
             return w.to(dtype)
-        _check_out(out, tuple(w.shape), dtype, w.device, name)
+        check_out_buffer(out, w.shape, dtype, w.device, name)
         return out.copy_(w)  # the same conversion as .to(dtype)
     sc = parts.get(SCALE)
     if not isinstance(sc, torch.Tensor):
@@ -398,7 +398,7 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
     else:
         scale2 = _nvfp4_globals(parts, w, sc, name)
     if out is not None:
-        _check_out(out, (e, r, cw * 2 if scale2 is not None else cw), dtype, w.device, name)
+        check_out_buffer(out, (e, r, cw * 2 if scale2 is not None else cw), dtype, w.device, name)
     dev = _compute_device(device, w, name)
     if dev != w.device or budget_bytes is not None:
         if scale2 is not None and not allow_nonfinite:
@@ -415,14 +415,6 @@ def decode_stacked(fmt: object, parts: Mapping[str, torch.Tensor], dtype: torch.
             _check_factor(_factor(scale2), name)
         _check_scales(fname, sc, name)
     return out
-
-
-def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, name: str) -> None:
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype \
-            or out.device != device or not out.is_contiguous():
-        got = (f"{out.dtype} {list(out.shape)} on {out.device}{'' if out.is_contiguous() else ', not contiguous'}"
-               if isinstance(out, torch.Tensor) else type(out).__name__)
-        raise FormatError(f"{name}: out must be a contiguous {dtype} {list(shape)} on {device}, got {got}")
 
 
 def _nvfp4_globals(parts: Mapping[str, torch.Tensor], w: torch.Tensor, sc: torch.Tensor,
