@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import TINY, free_port, same_files, subprocess_env
-from inkling_ckpt.errors import DeviceError
+from inkling_ckpt.errors import ConfigError, DeviceError
 from inkling_ckpt.pipeline import Executor, Options, Unit, resolve_device
 from inkling_ckpt.pipeline import executor as executor_mod
 
@@ -1033,3 +1033,11 @@ def test_map_reads_ahead_only_when_asked_and_its_results_do_not_change(tmp_path,
     assert len(seen) == 1
     monkeypatch.delenv(readahead.ENV)
     assert readahead.read_ahead_bytes("cuda") == readahead.READ_AHEAD_BYTES and readahead.read_ahead_bytes("cpu") == 0
+    monkeypatch.setenv(readahead.ENV, "0.5")
+    assert readahead.read_ahead_bytes("cpu") == 2**19
+    for bad in ("abc", "-1", "nan", "inf", "256MB"):  # refused, not the default
+        monkeypatch.setenv(readahead.ENV, bad)
+        with pytest.raises(ConfigError, match=readahead.ENV):
+            readahead.read_ahead_bytes("cuda")
+        with pytest.raises(ConfigError, match=readahead.ENV):
+            list(ex.map(units, transform, extents=extents))

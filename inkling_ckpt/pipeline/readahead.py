@@ -13,10 +13,13 @@ the worker, whose read raises the command's own error.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from ..errors import ConfigError
 
 #: ``(file, offset, length)``: a byte range a unit will read.
 Extent = tuple[Path, int, int]
@@ -42,9 +45,13 @@ def read_ahead_bytes(device_type: str = "cuda") -> int:
     if not v:
         return READ_AHEAD_BYTES if device_type != "cpu" else 0
     try:
-        return max(0, int(float(v) * 2**20))
+        mib = float(v)
     except ValueError:
-        return READ_AHEAD_BYTES
+        mib = math.nan
+    # A typo must not quietly become the default (a benchmark's "off" baseline would read ahead).
+    if not math.isfinite(mib) or mib < 0:
+        raise ConfigError(f"{ENV}={v!r}: expected a size in MiB (a number >= 0; 0 turns the read-ahead off)")
+    return int(mib * 2**20)
 
 
 class ReadAhead:
@@ -62,7 +69,9 @@ class ReadAhead:
         # took first is left out ([]). Several units may name one stored blob (a torch_dist chunk
         # they share): the first reads it.
         self._found: list[list[Extent]] = []
-        self._sizes: list[int] = []
+        # Running totals of the found items' bytes (``_total[k]``: items ``0..k-1``), so the window's
+        # size is one subtraction, not a sum over its items (thousands with tiny units).
+        self._total: list[int] = [0]
         self._seen: set[Extent] = set()
         self._ahead = ahead_bytes
         self._started = 0
@@ -94,7 +103,7 @@ class ReadAhead:
             mine = [e for e in self._extents_of(self._items[j]) if e not in self._seen] if j >= self._started else []
             self._seen.update(mine)
             self._found.append(mine)
-            self._sizes.append(sum(max(0, n) for _, _, n in mine))
+            self._total.append(self._total[-1] + sum(max(0, n) for _, _, n in mine))
         return self._found[i]
 
     def _next(self, i: int) -> int:
@@ -106,7 +115,7 @@ class ReadAhead:
                 return -1
             self._find(i)
             with self._cond:
-                while not self._stop and i >= self._started and sum(self._sizes[self._started:i]) >= self._ahead:
+                while not self._stop and i >= self._started and self._total[i] - self._total[self._started] >= self._ahead:
                     self._cond.wait()
                 if self._stop:
                     return -1
