@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -393,6 +394,34 @@ def test_trimming_the_heap_gives_freed_pages_back_on_glibc():
     assert memory.trim_heap() is True
     assert memory.resident_bytes() < before
     del keep
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists() or not hasattr(os, "fork"), reason="Linux only")
+def test_the_resident_size_is_read_fresh_each_time_and_a_forked_child_reads_its_own():
+    """resident_bytes keeps /proc/self/statm open: each read must see the size now, and a child must
+    not read its parent's file (it would see the parent's size)."""
+    from inkling_ckpt.pipeline import memory
+
+    before = memory.resident_bytes()
+    block = bytearray(96 << 20)
+    block[:: 4096] = b"x" * (len(block) // 4096)  # every page touched
+    grown = memory.resident_bytes()
+    assert grown - before >= 90 << 20
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop the block (its own copy), report its own size
+        try:
+            del block
+            os.write(w, str(memory.resident_bytes()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    child = int(os.read(r, 64))
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert child < grown - (64 << 20)  # the parent still holds the block: its size is not the child's
+    assert memory.resident_bytes() >= grown - (8 << 20)
+    del block
 
 
 def test_each_local_rank_takes_its_own_gpu(monkeypatch):
