@@ -337,6 +337,8 @@ def grid(args: argparse.Namespace) -> dict:
                             + (f"; RSS at start {r['start_rss_bytes'] / 2**20:.0f} MiB, budget "
                                f"{r.get('budget_bytes', 0) / 2**20:.0f} MiB, {r['most_in_flight']} in flight"
                                + (f", held by RSS {r['rss_holds']}x" if r.get("rss_holds") else "")
+                               + (f", read ahead {r['read_ahead_bytes'] / 1e6:.0f} MB, {r.get('read_ahead_units', 0)}"
+                                  f" of {r['units']} units ready" if r.get("read_ahead_bytes") else "")
                                if "start_rss_bytes" in r else "") + "]" for r in m["rank_stats"]),
                   flush=True)
             if out is not None and out not in (src["mg"], src["sharded"]):

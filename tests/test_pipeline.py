@@ -1005,12 +1005,14 @@ def test_the_read_ahead_reads_the_units_past_the_started_ones_up_to_its_bound(tm
     ra = ReadAhead(items, lambda i: asked.append(i) or [(f, i * mib, mib)], 3 * mib)
     try:
         assert _settled(lambda: ra.bytes_read, 3 * mib) == 3 * mib  # items 0-2, then it waits
+        assert _settled(lambda: ra.items_ready, 3) == 3
         assert asked == [0, 1, 2, 3]  # ranges are asked for as the reader gets there, not all at the start
         ra.started(6)  # 3-5 are the workers' now: it skips them
         assert _settled(lambda: ra.bytes_read, 6 * mib) == 6 * mib  # 6-8
         assert asked == [0, 1, 2, 3, 6, 7, 8, 9]
         ra.started(10)
         assert _settled(lambda: ra.bytes_read, 7 * mib) == 6 * mib  # nothing is left to read ahead
+        assert _settled(lambda: ra.items_ready, 6) == 6
     finally:
         ra.close()
 
@@ -1057,6 +1059,9 @@ def test_map_reads_ahead_only_when_asked_and_its_results_do_not_change(tmp_path,
     monkeypatch.setenv(readahead.ENV, "1")  # asked for: 1 MiB ahead
     got = [r for _, r in ex.map(units, transform, extents=extents)]
     assert got == want and len(seen) == 1 and 0 < seen[0] <= len(data)
+    # the rank's figures say what it read ahead and how many units it had ready (each is 64 KiB)
+    assert ex.stats.read_ahead_bytes == seen[0] and 0 < ex.stats.read_ahead_units <= seen[0] // 65536
+    assert ex.stats.as_dict()["read_ahead_units"] == ex.stats.read_ahead_units
     monkeypatch.setenv(readahead.ENV, "0")  # turned off (a benchmark's baseline on a GPU)
     assert [r for _, r in ex.map(units, transform, extents=extents)] == want
     assert len(seen) == 1

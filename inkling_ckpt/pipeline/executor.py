@@ -189,6 +189,9 @@ class RankStats:
     start_rss_bytes: int = 0
     # Times the default budget's resident-size check held the next unit back (``peak_rss_bytes``).
     rss_holds: int = 0
+    # What the read-ahead read, and the units whose input it had read whole before a worker began them.
+    read_ahead_bytes: int = 0
+    read_ahead_units: int = 0
     where: list[str] = field(default_factory=list)  # first and last position this rank worked on
 
     def as_dict(self) -> dict[str, Any]:
@@ -199,7 +202,8 @@ class RankStats:
                 "peak_gpu_bytes": self.peak_gpu_bytes, "wait_seconds": round(self.wait_seconds, 3),
                 "sink_seconds": round(self.sink_seconds, 3), "budget_bytes": self.budget_bytes,
                 "most_in_flight": self.most_in_flight, "start_rss_bytes": self.start_rss_bytes,
-                "rss_holds": self.rss_holds, "span": self.where}
+                "rss_holds": self.rss_holds, "read_ahead_bytes": self.read_ahead_bytes,
+                "read_ahead_units": self.read_ahead_units, "span": self.where}
 
 
 class Executor:
@@ -291,6 +295,8 @@ class Executor:
         finally:
             if ra is not None:
                 ra.close()
+                self.stats.read_ahead_bytes += ra.bytes_read
+                self.stats.read_ahead_units += ra.items_ready
 
     def _map(self, units: Sequence[Any], transform: Callable[[Any], T], cost: Callable[[Any], int] | None,
              done_cost: Callable[[Any], int] | None, ra: ReadAhead | None) -> Iterator[tuple[Any, T]]:

@@ -77,8 +77,11 @@ class ReadAhead:
         self._started = 0
         self._stop = False
         self._cond = threading.Condition()
-        #: bytes this reader read (for tests and benchmarks)
+        #: bytes this reader read, and the items whose ranges it went through whole before a worker
+        #: began them (read, or found unreadable and left to the worker; for tests and benchmarks:
+        #: how much of the input it had ready)
         self.bytes_read = 0
+        self.items_ready = 0
         self._thread = threading.Thread(target=self._run, name="inkling-readahead", daemon=True)
         self._thread.start()
 
@@ -130,9 +133,9 @@ class ReadAhead:
         try:
             i = 0
             while (i := self._next(i)) >= 0:
-                for ext in self._found[i]:
-                    if not self._read(fds, i, *ext, view):
-                        break
+                whole = all(self._read(fds, i, *ext, view) for ext in self._found[i])
+                if whole and self._found[i]:
+                    self.items_ready += 1
                 i += 1
         finally:
             for fd in fds.values():
