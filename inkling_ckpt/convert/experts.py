@@ -9,6 +9,7 @@ of every block whose values are unchanged, so an untouched weight comes back byt
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal, Mapping, Protocol, Sequence, cast
 
 import torch
@@ -111,9 +112,7 @@ class PieceBuffer:
 
     def take(self, *shape: int) -> torch.Tensor:
         """A contiguous tensor of ``shape`` over the buffer (its values are left over)."""
-        n = 1
-        for z in shape:
-            n *= z
+        n = math.prod(shape)
         if self._t is None or self._t.numel() < n:
             self._t = None  # the old one goes first
             self._t = torch.empty(n, dtype=self.dtype)
