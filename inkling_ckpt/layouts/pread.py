@@ -27,7 +27,10 @@ def read_exact(fd: int, offset: int, count: int, truncated: str, *, device: torc
 
     Positioned reads until every byte has come (one read may return fewer). On the CPU into memory
     torch allocates (in huge pages when the CLI turned them on: every slice a command reads lands
-    in fresh memory); on a GPU through this thread's two small pinned buffers
+    in fresh memory; recycled blocks read 1.2-2.3x faster out of the page cache, but fresh ones
+    still take 18-23 GB/s on 16 threads, ten times the disk, and a pool of them left lora merge and
+    quantize no faster on the node for up to 60 MiB more RSS: ``bench/read_buffers.py``,
+    bench/README.md); on a GPU through this thread's two small pinned buffers
     (:data:`STAGE_BYTES` each, reused: no fresh host memory, no page faults), each piece copied up
     while the next is read, so the host holds a few MiB whatever the size. ``hasher`` (a hashlib
     object) is fed the bytes in order as they pass. A file that ends first raises

@@ -11,6 +11,9 @@ from typing import Any
 M_MMAP_THRESHOLD = -3
 #: Blocks from 8 MiB up (slices, their results) are mapped apart, so freeing one returns it to the
 #: OS at once; the codecs' chunk temporaries (4 MiB, ``formats._base.CHUNK_ELEMS``) stay below it.
+#: Their page faults are not what bounds a command: with the threshold at 1 GiB (big blocks reused
+#: from the heap) lora merge took 60 % fewer faults on the 2-core box, and neither it nor quantize
+#: ran faster there or on the 16-core node, which peaked 50-130 MiB higher (bench/README.md).
 MMAP_THRESHOLD = 8 << 20
 #: glibc's mallopt parameter for the free memory a heap keeps at its top before giving it back.
 M_TRIM_THRESHOLD = -1
