@@ -212,11 +212,11 @@ def mixed_plan(layers: int) -> str:
     return preset_plan("wide", "mixed", layers)
 
 
-def step_args(command: str, src: dict[str, Path], work: Path, layers: int,
+def step_args(command: str, src: dict[str, Path], out_dir: Path, layers: int,
               shard: str) -> tuple[list[str], list[Path], Path | None]:
     """The command line (after ``inkling_ckpt``) of one step, the folders it reads, and its output
     (None: ``verify``). hf-to-megatron and shard write the inputs of megatron-to-hf and shard-merge."""
-    out = work / f"out-{command}"
+    out = out_dir / f"out-{command}"
     if command == "quantize":
         return ["quantize", str(src["bf16"]), str(out), "--plan", mixed_plan(layers), "--max-shard-size", shard], [src["bf16"]], out
     if command == "hf-to-megatron":
@@ -288,6 +288,8 @@ def grid(args: argparse.Namespace) -> dict:
     tag = f"wide-{args.layers}L" + (f"-{args.experts}e" if args.experts else "")
     extra = ["--experts", str(args.experts)] if args.experts else []
     src = {k: work / f"{tag}-{k}" for k in ("bf16", "mixed", "mg", "sharded", "adapter")}
+    outs = Path(args.out).resolve() if args.out else work
+    outs.mkdir(parents=True, exist_ok=True)
     bc.make_wide(src["bf16"], "bf16", args.layers, *extra)
     bc.make_wide(src["mixed"], "mixed", args.layers, *extra)
     prepare_inputs(args, src, code, extra)
@@ -305,7 +307,7 @@ def grid(args: argparse.Namespace) -> dict:
         for command in args.commands:
             if command in NO_DEVICE and device != args.devices[0]:
                 continue  # it runs on the CPU whatever --devices says: once per rank count and budget
-            cmd_args, inputs, out = step_args(command, src, work, args.layers, args.max_shard_size)
+            cmd_args, inputs, out = step_args(command, src, outs, args.layers, args.max_shard_size)
             if out is not None:
                 for p in (out, out.parent / f".{out.name}.inkling-partial"):
                     shutil.rmtree(p, ignore_errors=True)
@@ -487,6 +489,10 @@ def main() -> None:
                     help="grid: every command x device x ranks on a wide fixture; full-layer: one 384-expert layer "
                          "through the four steps, release time extrapolated")
     ap.add_argument("--work", default="bench-work", help="folder for fixtures and outputs (default ./bench-work)")
+    ap.add_argument("--out", default=None,
+                    help="grid: folder for the steps' outputs instead of --work (another disk, or a tmpfs such as "
+                         "/dev/shm: whether sharing one disk between the inputs' reads and the outputs' writeback "
+                         "is what a step waits on); torch_dist and rank folders other steps read stay in --work")
     ap.add_argument("--layers", type=int, default=4, help="grid: layers of the wide fixture (4 ~ 4.2 GB BF16, 8 ~ 8.4 GB)")
     ap.add_argument("--experts", type=int, default=0, help="experts per layer (grid: the wide default; full-layer: 384)")
     ap.add_argument("--commands", nargs="+", choices=(*COMMANDS, *MORE_COMMANDS, "all"), default=list(COMMANDS),
