@@ -28,6 +28,7 @@ from inkling_ckpt.formats.encodings import (
     decode_e4m3,
     decode_e5m2,
     decode_e8m0,
+    decode_table,
 )
 
 
@@ -171,3 +172,18 @@ def test_torch_fp8_cast_is_rne_in_range(dtype, ml_name, enc):
     ours = torch.from_numpy(x).to(dtype).view(torch.uint8).numpy()
     ref = x.astype(getattr(ml, ml_name)).view(np.uint8)
     assert (ours == ref).all()
+
+
+@pytest.mark.parametrize("enc", [E2M1, E4M3, E5M2, E8M0], ids=lambda e: e.name)
+def test_bf16_decode_tables_hold_every_value_exactly(enc):
+    """The BF16 tables MXFP8's decode into BF16 uses: each entry is its code's value (NaN for NaN)."""
+    t = decode_table(enc, "cpu", torch.bfloat16)
+    assert t.dtype == torch.bfloat16 and t.numel() == enc.num_codes
+    for c in range(enc.num_codes):
+        v = enc.value(c)
+        assert math.isnan(float(t[c])) if math.isnan(v) else float(t[c]) == v, (enc.name, c)
+
+
+def test_a_table_that_would_round_is_refused():
+    with pytest.raises(FormatError, match="not every value is exact"):
+        decode_table(E8M0, "cpu", torch.float16)  # 2^-127 .. 2^127 do not fit float16

@@ -124,19 +124,25 @@ ENCODINGS: MappingProxyType[str, Encoding] = MappingProxyType(
     {e.name: e for e in (E2M1, E4M3, E5M2, E8M0)}
 )
 
-_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+_TABLES: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def decode_table(enc: Encoding, device: torch.device | str = "cpu") -> torch.Tensor:
-    """float32 tensor of ``enc.num_codes`` values, entry ``c`` = value of code ``c`` (cached per device).
+def decode_table(enc: Encoding, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Tensor of ``enc.num_codes`` values, entry ``c`` = value of code ``c`` (cached per device and dtype).
 
     Every value of these encodings is exactly representable in float32 (2^-127 as a subnormal).
+    Another ``dtype`` (BF16: E4M3, E5M2 and E8M0 fit it) must hold every value exactly too, NaN
+    entries aside, else FormatError.
     """
     device = torch.device(device)
-    key = (enc.name, device)
+    key = (enc.name, device, dtype)
     table = _TABLES.get(key)
     if table is None:
-        table = torch.tensor([enc.value(c) for c in range(enc.num_codes)], dtype=torch.float32)
+        exact = torch.tensor([enc.value(c) for c in range(enc.num_codes)], dtype=torch.float32)
+        table = exact.to(dtype)
+        ok = ~exact.isnan()
+        if not torch.equal(table[ok].float(), exact[ok]):
+            raise FormatError(f"{enc.name}: not every value is exact in {dtype}")
         table = table.to(device)
         _TABLES[key] = table
     return table
