@@ -233,8 +233,9 @@ class MXFP8Format(Format):
         # Into BF16, the tables and their product are BF16: every element and scale value is exact
         # there, so the product is the same exact float32 product rounded once, as the float32 path's
         # cast rounds it (tests: every scale x element byte), with half the temporaries' bytes. 2-core
-        # box, [2304, 4608], 40 alternating calls, median: 191 -> 359 and 497 -> 558 Melem/s on one
-        # thread, 359 -> 524 on two (a noisy box; bench/codecs.py).
+        # box, [2304, 4608], 40 calls alternating with the float32 tables in one process, median:
+        # 191 -> 359 and 497 -> 558 Melem/s on one thread, 359 -> 524 on two (a noisy box;
+        # bench/codecs.py times this decode on its own).
         tdtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
         elem_table = decode_table(self.elem, w.device, tdtype)
         scale_table = decode_table(E8M0, w.device, tdtype)
