@@ -236,3 +236,28 @@ def test_property_valid_plans_cover_every_tensor_once_per_piece(case):
         assert "\n" not in str(e)
         return
     _check_cover(sp)
+
+
+def test_precision_plan_rules_and_the_layers_no_rule_names():
+    """Rules by range, one layer or all layers; a layer no rule names is unquantized (bf16), as
+    --plan's help says; the plan prints back as maximal runs."""
+    p = PrecisionPlan.parse(" 0-1 : NVFP4 , 3:mxfp8", 5)
+    assert p.formats == ("nvfp4", "nvfp4", "bf16", "mxfp8", "bf16")
+    assert str(p) == "0-1:nvfp4,2:bf16,3:mxfp8,4:bf16" and p.variant == "mixed"
+    assert PrecisionPlan.parse("mxfp8", 3).formats == ("mxfp8",) * 3
+    assert PrecisionPlan.parse(str(MIXED), 48) == MIXED
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "the precision plan is empty"),
+    (" , ", "rule '' is not FIRST-LAST:FORMAT"),
+    ("0-1=nvfp4", "rule '0-1=nvfp4' is not FIRST-LAST:FORMAT"),
+    ("0-1:fp4", "names format 'fp4'; known formats: "),
+    ("3-1:nvfp4", "rule '3-1:nvfp4': range runs backwards"),
+    ("0-4:nvfp4", "rule '0-4:nvfp4' names layer 4, but the model has layers 0-3"),
+    ("mxfp8,2:nvfp4", "names layer 2 twice"),
+])
+def test_precision_plan_refusals_name_the_rule(text, message):
+    with pytest.raises(PlanError) as e:
+        PrecisionPlan.parse(text, 4)
+    assert message in str(e.value)

@@ -118,7 +118,8 @@ MEMORY_MB = typer.Option(0, "--memory-mb", min=0, metavar="MIB",
 READ_PRESET = typer.Option(None, "--preset",
                            help="Megatron key layout of SRC: miles or bridge. Default: the one SRC records (inkling-ckpt "
                                 "writes it into common.pt), else the one whose keys SRC holds.")
-PLAN_HELP = "Per-layer expert formats: FIRST-LAST:FORMAT rules (0-39:nvfp4,40-47:mxfp8) or one format (mxfp8, bf16)."
+PLAN_HELP = ("Per-layer expert formats: FIRST-LAST:FORMAT rules (0-39:nvfp4,40-47:mxfp8) or one format (mxfp8, bf16);"
+             " a layer no rule names holds its experts unquantized (see --dtype; the report lists the plan).")
 
 
 # ---- set-up and output --------------------------------------------------------------------------

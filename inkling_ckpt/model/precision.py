@@ -24,7 +24,8 @@ class PrecisionPlan:
 
     @classmethod
     def parse(cls, text: str, num_layers: int) -> "PrecisionPlan":
-        """Parse ``0-1:nvfp4,2-3:mxfp8`` (or ``mxfp8``) for a model with ``num_layers`` layers."""
+        """Parse ``0-1:nvfp4,2-3:mxfp8`` (or ``mxfp8``) for a model with ``num_layers`` layers; a layer
+        no rule names is ``bf16`` (unquantized; ``dense_as`` picks its dtype)."""
         if not text or not text.strip():
             raise PlanError("the precision plan is empty")
         layers: list[str | None] = [None] * num_layers
