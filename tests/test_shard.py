@@ -278,6 +278,8 @@ def test_rank_bytes_match_memory_report_and_files(tiny_release, tmp_path):
         actual = sum(dtype.itemsize * int(torch.tensor(shape).prod()) for f in d.glob("*.safetensors")
                      for shape, dtype, _ in read_header(f).values())
         assert actual == rep["ranks"][r]["bytes"] == res.rank_bytes[r]
+    # the bytes written count each rank's pieces (replicated tensors once per rank), not the source's
+    assert res.bytes_written == sum(res.rank_bytes) > res.bytes_read == ckpt.total_bytes()
 
 
 @pytest.mark.parametrize("args,msg", [
@@ -556,8 +558,11 @@ def test_two_ranks_shard_and_merge_the_one_process_bytes(tiny_release, cli, tmp_
     assert [rel for rel in rels if (one / rel).read_bytes() != (two / rel).read_bytes()] == []
     assert _files(tmp_path / "two" / "back") == _files(src)
     assert "; 2 ranks;" in r.stdout
-    for rep in json.loads(r.stdout.split("RESULT ", 1)[1]):
+    reports = json.loads(r.stdout.split("RESULT ", 1)[1])
+    for rep in reports:
         assert rep["ranks"]["count"] == 2 and all(each["bytes_written"] > 0 for each in rep["ranks"]["each"]), rep
+    sharded = reports[0]  # each process wrote its own rank folders' pieces: together, every rank's
+    assert sum(each["bytes_written"] for each in sharded["ranks"]["each"]) == sharded["bytes"] == sum(sharded["rank_bytes"])
 
 
 def test_the_hash_lane_keeps_order_bounds_what_it_holds_and_reports_failures():

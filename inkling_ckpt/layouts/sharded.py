@@ -297,11 +297,16 @@ def shard(src: str | Path, dst: str | Path, tp: int, ep: int, *, max_shard_size:
                 if s.kind == "end":
                     return
                 p = by_name[s.tensor]
+                handed = 0
                 for rank in wanted[s.tensor]:
                     if s.kind == "empty":
                         writers[rank].write(s.tensor, torch.empty(p.local_shape, dtype=p.spec.dtype))
                     elif block is not None:
-                        _hand_rows(p, rank, block, s.lo, s.hi, writers[rank])
+                        handed += _hand_rows(p, rank, block, s.lo, s.hi, writers[rank])
+                # a unit's write_bytes is its block (what it holds); the bytes written are its pieces in
+                # this process's rank folders: a replicated tensor once per rank, none for a unit read
+                # only to be hashed
+                ex.stats.bytes_written += handed - unit.write_bytes
 
             try:
                 ex.run(todo, transform, sink, extents=reads)
@@ -404,26 +409,28 @@ def _hash_to(path: Path, h: list[Any], stop: int | None, cancel: threading.Event
                 break
 
 
-def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: HFWriter) -> None:
-    """Give ``writer`` the part of global rows ``[r0, r1)`` (``block``, as bytes) in ``rank``'s piece."""
+def _hand_rows(p: Placement, rank: int, block: torch.Tensor, r0: int, r1: int, writer: HFWriter) -> int:
+    """Give ``writer`` the part of global rows ``[r0, r1)`` (``block``, as bytes) in ``rank``'s piece;
+    the bytes handed."""
     if not p.spec.shape:
         writer.write(p.name, from_bytes(block, p.spec.dtype))
-        return
+        return block.numel()
     piece = p.holders[rank]
     if piece is None:  # the rank holds none of it (callers pass only Placement.ranks())
-        return
+        return 0
     local_start = r0
     for dim, lo, hi in p.region(piece):
         if dim == 0:
             a, b = max(r0, lo), min(r1, hi)
             if a >= b:
-                return
+                return 0
             block = block[a - r0:b - r0]
             local_start = a - lo
             r0 = a
         else:
             block = block.narrow(dim, lo, hi - lo)
     writer.write_rows(p.name, local_start, from_bytes(block, p.spec.dtype))
+    return block.numel()
 
 
 def _write_rank_index(writer: HFWriter, plan: ShardPlan, rank: int) -> None:
