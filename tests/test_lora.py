@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from inkling_ckpt.convert.experts import largest_piece
-from inkling_ckpt.errors import AdapterError, IntegrityError, OutputError
+from inkling_ckpt.errors import AdapterError, CheckpointError, IntegrityError, OutputError
 from inkling_ckpt.formats import get_format
 from inkling_ckpt.formats.stacked import decode_stacked, format_of_parts
 from inkling_ckpt.lora import (Adapter, LoraExport, ModelDims, build_manifest, check_manifest, export_adapter,
@@ -593,6 +593,46 @@ def test_merge_rejects_incomplete_or_mismatched_adapters(work, dims, base_bf16, 
     assert not any((work / f"never{i}").exists() for i in (1, 2, 3))
     with pytest.raises(OutputError):
         merge(base_bf16, ad_zero, base_bf16, progress=False, force=True)
+
+
+def test_merge_refuses_a_non_finite_scale_and_an_overflow(work, dims, base_bf16, base_mixed, cli):
+    """A NaN or infinite ``lora_alpha`` (JSON as Python reads it takes both) is refused when the
+    adapter is opened; a merge whose W + (alpha/r) * B @ A overflows the stored dtype, in a linear,
+    in BF16 experts or in experts it re-encodes, fails in one line naming the tensor and publishes
+    nothing (it used to write infinities into BF16 weights and exit 0)."""
+    eng = engine(dims, trainer_adapter(dims))
+    for bad in ("NaN", "Infinity"):
+        d = write_adapter_dir(work / f"ad-alpha-{bad}", eng)
+        (d / "adapter_config.json").write_text((d / "adapter_config.json").read_text().replace(
+            f'"lora_alpha": {ALPHA}', f'"lora_alpha": {bad}'))
+        with pytest.raises(AdapterError, match="lora_alpha must be a positive finite number"):
+            Adapter.open(d)
+        code, _, err = cli("lora", "merge", base_bf16, d, work / "never-alpha")
+        assert code == 2 and err.count("\n") == 1 and "positive finite" in err
+    big = write_adapter_dir(work / "ad-alpha-big", eng)
+    (big / "adapter_config.json").write_text((big / "adapter_config.json").read_text().replace(
+        f'"lora_alpha": {ALPHA}', '"lora_alpha": 1e300'))
+    with pytest.raises(AdapterError, match=r"model\.llm\.layers\.\d+\..* overflows bfloat16 \(alpha/r = 2\.5e\+299\)"):
+        merge(base_bf16, big, work / "never-big", progress=False)
+    # only one layer's experts change, with factors whose products overflow float32
+    L = "language_model.layers.3.mlp.experts."
+    huge = {n: (t.float() * 1e20).to(torch.bfloat16) if n.startswith(L) else
+            (torch.zeros_like(t) if ".lora_B." in n else t) for n, t in eng.items()}
+    ad = write_adapter_dir(work / "ad-huge-experts", huge)
+    for base in (base_bf16, base_mixed):  # BF16 experts cast back; MXFP8 experts re-encoded (layer 3)
+        with pytest.raises(AdapterError, match=r"model\.llm\.layers\.3\.mlp\.experts\.w(13|2)_weight experts \[.*overflows"):
+            merge(base, ad, work / "never-huge", progress=False)
+    code, _, err = cli("lora", "merge", base_mixed, ad, work / "never-huge")
+    assert code == 2 and err.count("\n") == 1 and "overflows" in err and "Traceback" not in err
+    # a base holding a NaN (an E4M3 element 0x7F) where a sane adapter changes it: named as the base's
+    tensors = read_all(base_mixed)
+    tensors[P.format(i=3) + "w2_weight"].view(torch.uint8)[0, 0, 0] = 0x7F
+    nan_base = work / "base-nan-block"
+    shutil.copytree(base_mixed, nan_base)
+    save_file(tensors, str(nan_base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.3\.mlp\.experts\.w2_weight: the base holds non-finite values"):
+        merge(nan_base, write_adapter_dir(work / "ad-sane", eng), work / "never-nan", progress=False)
+    assert not any(p.name.startswith(("never", ".never")) for p in work.iterdir())
 
 
 def test_merge_resumes_and_skips_a_finished_job(work, dims, base_bf16, ad_zero, ad_random):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -227,8 +228,9 @@ class Adapter:
             raise AdapterError(f"{cfg_path}: peft_type is {config.get('peft_type') if isinstance(config, dict) else None!r}, expected LORA")
         for k in ("r", "lora_alpha"):
             v = config.get(k)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise AdapterError(f"{cfg_path}: {k} must be a positive number, got {v!r}")
+            # (JSON as Python reads it takes NaN and Infinity: a scale of either would merge into garbage)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+                raise AdapterError(f"{cfg_path}: {k} must be a positive finite number, got {v!r}")
         if not isinstance(config["r"], int):
             raise AdapterError(f"{cfg_path}: r must be an integer, got {config['r']!r}")
         if config.get("use_dora"):

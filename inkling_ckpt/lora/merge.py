@@ -29,7 +29,7 @@ import torch
 
 from ..convert.experts import PieceBuffer, cut_piece, expert_index, expert_pieces, largest_piece, read_parts
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
-from ..errors import AdapterError, CheckpointError
+from ..errors import AdapterError, CheckpointError, NonFiniteError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
                                encode_stacked, format_of_parts)
 from ..layouts.hf import INDEX
@@ -440,8 +440,19 @@ class _Merger:
             delta.mul_(self.s)  # W + s * (B @ A), rounded in that order
             m = w.to(torch.float32)
             m[: b1 - b0] += delta
-            w = m.to(dtype)
+            merged = m.to(dtype)
+            self.check_finite(merged, w, f"{u.base} rows {r0}:{r1}")
+            w = merged
         return _Got([(f, start + r0 * row_bytes, _bytes(w))], changed=live)
+
+    def check_finite(self, merged: torch.Tensor, base: torch.Tensor, where: str) -> None:
+        """AdapterError where the merge made a finite base value non-finite (the factors are finite:
+        the product or the cast to the stored dtype overflowed)."""
+        if bool(torch.isfinite(merged).all()):
+            return
+        if bool((~torch.isfinite(merged) & torch.isfinite(base)).any()):
+            raise AdapterError(f"{where}: W + (alpha/r) * B @ A overflows {str(merged.dtype).removeprefix('torch.')} "
+                               f"(alpha/r = {self.s:g}); the adapter's scale or factors are too large")
 
     def experts(self, u: _Unit, first: int, last: int) -> _Got:
         """Experts ``first:last`` of a merged stacked weight, a piece (``_pieces``) at a time (on a
@@ -504,7 +515,16 @@ class _Merger:
                         rows_of = x[at[j]] if halves is None else halves[i][at[j]]
                         rows_of[o0:o1].add_(d if dev.type == "cpu" else d.to(dev))
                     del d
-            enc = _encode(fmt, x, piece, wdtype, u.base)
+            try:
+                enc = _encode(fmt, x, piece, wdtype, u.base)
+            except NonFiniteError:
+                # the base's own non-finite blocks, or the merge's overflow: the base piece tells
+                base_x = _decode(fmt, piece, u.base)
+                self.check_finite(x, base_x, f"{u.base} experts {[first + j for j in js][:4]}")
+                raise CheckpointError(f"{u.base}: the base holds non-finite values where the adapter changes it; "
+                                      "lora merge re-encodes only finite weights") from None
+            if fmt == "bf16":
+                self.check_finite(enc[WEIGHT], piece[WEIGHT], f"{u.base} experts {[first + j for j in js][:4]}")
             if self.measure and fmt != "bf16":
                 back = _decode(fmt, {**piece, **{s: enc[s] for s in spans}}, u.base)
                 for i_x, j in enumerate(js):
