@@ -685,3 +685,32 @@ def test_requantize_units_name_the_bytes_they_read(file_reads, variant, plan, re
         assert byte_ranges(file_reads) == byte_ranges(reads(u)), u.key
         kept += reference not in (None, variant) and any(Path(f).parent == TINY[reference].resolve() for f, _, _ in reads(u))
     assert len(units) > 20 and (kept > 0) == (plan is None)
+
+
+def test_dtype_rounds_but_never_overflows(cli, tmp_path):
+    """--dtype f16 is the permission to round experts, not to overflow them: an expert value beyond
+    F16's range is refused in one line naming the tensor and the value, with nothing published, on
+    each path that narrows (a BF16 or MXFP8 source decoded to F16; torch_dist BF16 re-encoded as F16),
+    where the encoder used to report the infinity the cast made as the source's own "NaN or Inf
+    values" and offer --allow-nonfinite, which would have written it. A wider --dtype passes."""
+    from safetensors.torch import load_file, save_file
+
+    big = _copy(TINY["bf16"], tmp_path / "big")
+    name = "model.llm.layers.0.mlp.experts.w2_weight"
+    for f in big.glob("model-*.safetensors"):
+        tensors = load_file(f)
+        if name in tensors:
+            tensors[name][0, 0, 0] = 1e6
+            save_file(tensors, str(f), metadata={"format": "pt"})
+    assert cli("quantize", big, tmp_path / "bigq", "--plan", "mxfp8", "-q")[0] == 0
+    assert cli("convert", "hf-to-megatron", big, tmp_path / "bigmg", "-q")[0] == 0
+    want = f"{name}: value 999424 at (0, 0, 0) is beyond float16's range (max 65504)"
+    _fails(cli, tmp_path, "convert", "hf-to-hf", big, tmp_path / "dst", "--plan", "bf16", "--dtype", "f16", "-q",
+           match=want)
+    _fails(cli, tmp_path, "convert", "hf-to-hf", big, tmp_path / "dst", "--plan", "bf16", "--dtype", "f16",
+           "--allow-nonfinite", "-q", match=want)
+    _fails(cli, tmp_path, "dequantize", tmp_path / "bigq", tmp_path / "dst", "--dtype", "f16", "-q",
+           match=f"{name}: value 983040 at (0, 0, 0) is beyond float16's range")
+    _fails(cli, tmp_path, "convert", "megatron-to-hf", tmp_path / "bigmg", tmp_path / "dst", "--reference", big,
+           "--dtype", "f16", "-q", match=want)
+    assert cli("convert", "hf-to-hf", big, tmp_path / "dst", "--plan", "bf16", "--dtype", "f32", "-q")[0] == 0

@@ -10,7 +10,7 @@ of every block whose values are unchanged, so an untouched weight comes back byt
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Mapping, Protocol, Sequence, cast
+from typing import Any, Callable, Literal, Mapping, Protocol, Sequence, cast
 
 import torch
 
@@ -154,8 +154,12 @@ def decode_slice(src: ScaleSource, stack: ExpertStack, first: int, last: int, *,
     the parts are read (the CPU); the result stays there.
     """
     parts = read_parts(src, stack, first, last, device=device)
-    return decode_stacked(stack.fmt, parts, dtype or natural_dtype(stack.fmt), name=stack.name,
-                          allow_nonfinite=allow_nonfinite)
+    out = decode_stacked(stack.fmt, parts, dtype or natural_dtype(stack.fmt), name=stack.name,
+                         allow_nonfinite=allow_nonfinite)
+    if dtype is not None and _narrows(dtype, natural_dtype(stack.fmt)):  # e.g. --dtype f16
+        check_cast_range(out, lambda: decode_stacked(stack.fmt, parts, torch.float32, name=stack.name,
+                                                     allow_nonfinite=True), stack.name, first)
+    return out
 
 
 class ExpertEncoder:
@@ -213,7 +217,10 @@ class ExpertEncoder:
         if fmt in UNQUANTIZED:
             # The plan was resolved against the source (model.precision.dense_as): a cast that
             # rounds was asked for with --dtype; any other is exact (BF16 -> F32).
-            return encode_stacked(fmt, x.to(UNQUANTIZED[fmt]), name=stack.name, allow_nonfinite=self.allow_nonfinite)
+            y = x.to(UNQUANTIZED[fmt])
+            if _narrows(y.dtype, x.dtype):
+                check_cast_range(y, lambda: x, stack.name, first)
+            return encode_stacked(fmt, y, name=stack.name, allow_nonfinite=self.allow_nonfinite)
         ref_parts = read_parts(ref, stack, first, last, device=x.device) if ref is not None else None
         amax = ref_parts[AMAX] if ref_parts is not None and fmt == "nvfp4" else None
         codec = self._mx if fmt == "mxfp8" else fmt
@@ -221,6 +228,35 @@ class ExpertEncoder:
         if ref_parts is not None:
             parts = reuse_unchanged_blocks(fmt, x, parts, ref_parts)
         return parts
+
+
+def overflow_at(y: torch.Tensor, wide: Callable[[], torch.Tensor]) -> tuple[tuple[int, ...], float] | None:
+    """Where ``y`` is not finite and the same values computed wider (``wide()``, only called when
+    ``y`` holds a non-finite value) are finite (an overflow, or inf - inf after one): the first such
+    index and its wide value; else None (also where ``y``'s non-finite values were already so)."""
+    if bool(torch.isfinite(y).all()):
+        return None
+    x = wide()
+    over = ~torch.isfinite(y) & torch.isfinite(x)
+    if not bool(over.any()):
+        return None
+    return tuple(int(i) for i in torch.nonzero(over)[0]), float(x[over][0])
+
+
+def check_cast_range(y: torch.Tensor, wide: Callable[[], torch.Tensor], name: str, first: int = 0) -> None:
+    """PlanError where ``y`` (values cast to a narrower dtype, as --dtype asked) overflowed
+    (:func:`overflow_at`): --dtype permits rounding, not overflow. ``first``: ``y``'s first expert."""
+    hit = overflow_at(y, wide)
+    if hit is not None:
+        at, value = hit
+        dt = str(y.dtype).removeprefix("torch.")
+        raise PlanError(f"{name}: value {value:g} at {(at[0] + first, *at[1:])} is beyond {dt}'s range "
+                        f"(max {torch.finfo(y.dtype).max:g}): --dtype rounds, it does not overflow; choose a wider --dtype")
+
+
+def _narrows(dtype: torch.dtype, wider: torch.dtype) -> bool:
+    """Whether casting ``wider`` values to ``dtype`` can overflow (a smaller largest finite value)."""
+    return torch.finfo(dtype).max < torch.finfo(wider).max
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

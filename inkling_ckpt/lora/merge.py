@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from ..convert.experts import PieceBuffer, cut_piece, expert_index, expert_pieces, largest_piece, read_parts
+from ..convert.experts import (PieceBuffer, cut_piece, expert_index, expert_pieces, largest_piece, overflow_at,
+                               read_parts)
 from ..convert.requantize import ENCODE_WORKSPACE_BYTES, expert_slices
 from ..errors import AdapterError, CheckpointError, NonFiniteError
 from ..formats.stacked import (AMAX, DENOM, NVFP4_DENOMINATOR, SCALE, WEIGHT, decode_stacked, deinterleave,
@@ -446,11 +447,9 @@ class _Merger:
         return _Got([(f, start + r0 * row_bytes, _bytes(w))], changed=live)
 
     def check_finite(self, merged: torch.Tensor, base: torch.Tensor, where: str) -> None:
-        """AdapterError where the merge made a finite base value non-finite (the factors are finite:
+        """AdapterError where the merge made a finite base value infinite (the factors are finite:
         the product or the cast to the stored dtype overflowed)."""
-        if bool(torch.isfinite(merged).all()):
-            return
-        if bool((~torch.isfinite(merged) & torch.isfinite(base)).any()):
+        if overflow_at(merged, lambda: base) is not None:
             raise AdapterError(f"{where}: W + (alpha/r) * B @ A overflows {str(merged.dtype).removeprefix('torch.')} "
                                f"(alpha/r = {self.s:g}); the adapter's scale or factors are too large")
 
