@@ -19,6 +19,7 @@ Failures raise :class:`~inkling_ckpt.errors.InklingError` subclasses.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -365,7 +366,6 @@ def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = Non
 
     Collective when the caller runs under torchrun: the ranks split the units, every rank returns
     the whole report (rank 0 draws ``plot``)."""
-    import math
 
     from .pipeline import current_world
     from .verify.compare import build_report, compare, plot_report
@@ -391,6 +391,10 @@ def verify_forward(a: str | Path, b: str | Path, *, tokens: str | Path | None = 
 
     if tokens is not None and random is not None:
         raise ConfigError("give --tokens FILE or --random N, not both")
+    # NaN would fail every run and a negative bound too (KL is never negative), after the whole
+    # forward pass; inf is no threshold (leave --max-kl out)
+    if max_kl is not None and not (math.isfinite(max_kl) and max_kl >= 0):
+        raise ConfigError(f"--max-kl {max_kl}: must be a finite number >= 0 (KL is never negative)")
     for path in (a, b):
         kind = detect_layout(path)
         if kind != HF:

@@ -396,6 +396,9 @@ def test_cli_forward_threshold_and_bad_options(cli, tiny, mixed):
     assert code == 2 and err.strip().count("\n") == 0 and "not both" in err
     code, out, err = cli("verify", src, q, "--random", "8")
     assert code == 2 and "only applies with --forward" in err
+    for bad in ("nan", "-1", "inf"):  # refused before the forward pass, not a FAIL (or a pass) after it
+        code, out, err = cli("verify", src, q, "--forward", "--random", "8", "--max-kl", bad)
+        assert code == 2 and err.strip().count("\n") == 0 and "--max-kl" in err and "finite number >= 0" in err, err
 
 
 def test_cli_without_transformers_is_one_line(cli, tiny, monkeypatch):
