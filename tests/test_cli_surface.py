@@ -347,6 +347,10 @@ def test_lora_walk_from_make_fixture(cli, tmp_path):
     assert code == 1  # the adapter changed the weights
     code, out, _ = cli("make-fixture", tmp_path / "dump", "--lora")
     assert code == 0 and "nothing to do" in out
+    for alpha in ("0", "-2"):  # a dump that lora export would refuse is not written
+        code, _, err = cli("make-fixture", tmp_path / "bad-dump", "--lora", "--lora-alpha", alpha)
+        assert code == 2 and f"--lora-alpha {alpha}: must be a positive number" in err and err.count("\n") == 1, err
+        assert not (tmp_path / "bad-dump").exists()
 
 
 # ---- hub sources -------------------------------------------------------------------------------------

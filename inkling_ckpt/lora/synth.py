@@ -8,6 +8,7 @@ the unembed B padded to the padded vocabulary as a trainer holds it. Values are 
 
 from __future__ import annotations
 
+import math
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
@@ -74,6 +75,9 @@ def write_trainer_dump(config: Mapping[str, Any], dst: str | Path, *, rank: int 
     from ..layouts.staging import Staging
 
     check_dst(dst, [])
+    # what `lora export` and every adapter reader refuse: a dump they cannot take is not written
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        raise ConfigError(f"--lora-alpha {alpha}: must be a positive number")
     shapes = trainer_shapes(ModelDims.from_config(config), rank)
     nbytes = sum(2 * _numel(s) for s in shapes.values())
     info: dict[str, Any] = {"tensors": len(shapes), "bytes": nbytes, "r": rank, "lora_alpha": alpha,
