@@ -366,7 +366,6 @@ def verify_tensors(a: str | Path, b: str | Path, *, min_sqnr: float | None = Non
 
     Collective when the caller runs under torchrun: the ranks split the units, every rank returns
     the whole report (rank 0 draws ``plot``)."""
-
     from .pipeline import current_world
     from .verify.compare import build_report, compare, plot_report
 

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import AdapterError, NonFiniteError, PlanError
 from .buckets import DEFAULT_BUCKET_BYTES, AdapterGroup, Bucket, pack
-from .schema import SCHEMA, ExpertsDown, ExpertsGateUp, Excluded, Linear, ModelDims, Schema, Target
+from .schema import SCHEMA, ExpertsDown, ExpertsGateUp, Excluded, Linear, ModelDims, Schema, Target, positive_number
 
 #: The engine dtype (spec/lora.md: every adapter tensor BF16).
 ENGINE_DTYPE = torch.bfloat16
@@ -366,7 +366,7 @@ def export_adapter(src, dst, *, config, alpha: float | None = None, cast: bool =
             raise AdapterError(f"{src_p}: no lora_alpha in the dump's metadata; give --alpha")
         if alpha.is_integer():
             alpha = int(alpha)
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < float("inf")):
+    if not positive_number(alpha):
         raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
     conv = LoraExport(alpha=alpha, dims=dims, cast=cast)
     groups = plan(conv, source.entries())

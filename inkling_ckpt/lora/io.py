@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -19,7 +18,7 @@ from ..layouts.hf import DTYPE_TO_ST, read_header
 from ..layouts.pread import TensorFile
 from ..layouts.staging import Staging
 from .manifest import MANIFEST_FILE, write_manifest
-from .schema import ENGINE_WRAPPERS, SCHEMA, ModelDims, Schema
+from .schema import ENGINE_WRAPPERS, SCHEMA, ModelDims, Schema, positive_number
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -228,8 +227,7 @@ class Adapter:
             raise AdapterError(f"{cfg_path}: peft_type is {config.get('peft_type') if isinstance(config, dict) else None!r}, expected LORA")
         for k in ("r", "lora_alpha"):
             v = config.get(k)
-            # (JSON as Python reads it takes NaN and Infinity: a scale of either would merge into garbage)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            if not positive_number(v):
                 raise AdapterError(f"{cfg_path}: {k} must be a positive finite number, got {v!r}")
         if not isinstance(config["r"], int):
             raise AdapterError(f"{cfg_path}: r must be an integer, got {config['r']!r}")

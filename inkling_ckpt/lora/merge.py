@@ -514,16 +514,16 @@ class _Merger:
                         rows_of = x[at[j]] if halves is None else halves[i][at[j]]
                         rows_of[o0:o1].add_(d if dev.type == "cpu" else d.to(dev))
                     del d
+            where = f"{u.base} experts {[first + j for j in js][:4]}"
             try:
                 enc = _encode(fmt, x, piece, wdtype, u.base)
             except NonFiniteError:
                 # the base's own non-finite blocks, or the merge's overflow: the base piece tells
-                base_x = _decode(fmt, piece, u.base)
-                self.check_finite(x, base_x, f"{u.base} experts {[first + j for j in js][:4]}")
+                self.check_finite(x, _decode(fmt, piece, u.base), where)
                 raise CheckpointError(f"{u.base}: the base holds non-finite values where the adapter changes it; "
                                       "lora merge re-encodes only finite weights") from None
             if fmt == "bf16":
-                self.check_finite(enc[WEIGHT], piece[WEIGHT], f"{u.base} experts {[first + j for j in js][:4]}")
+                self.check_finite(enc[WEIGHT], piece[WEIGHT], where)
             if self.measure and fmt != "bf16":
                 back = _decode(fmt, {**piece, **{s: enc[s] for s in spans}}, u.base)
                 for i_x, j in enumerate(js):

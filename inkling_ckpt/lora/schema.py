@@ -13,6 +13,7 @@ release checkpoint tensor the merge adds ``(alpha/r) * B @ A`` to (spec/inkling2
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Union
@@ -196,6 +197,12 @@ SCHEMA = Schema()
 
 
 # ---- model dimensions ------------------------------------------------------------------------
+
+def positive_number(v: object) -> bool:
+    """Whether ``v`` is a usable ``lora_alpha`` or rank: an int or float (not a bool), finite, above
+    zero (Python's JSON reads NaN and Infinity, which would merge into garbage)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
 
 #: text_config aliases transformers accepts (spec/inkling2.md), alias -> canonical field.
 _ALIASES = {"num_local_experts": "n_routed_experts", "sliding_window": "sliding_window_size"}

@@ -8,7 +8,6 @@ the unembed B padded to the padded vocabulary as a trainer holds it. Values are 
 
 from __future__ import annotations
 
-import math
 import zlib
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import ConfigError
-from .schema import TARGETS, ExpertsDown, ExpertsGateUp, Linear, ModelDims, Target
+from .schema import TARGETS, ExpertsDown, ExpertsGateUp, Linear, ModelDims, Target, positive_number
 
 DUMP_FILE = "lora.safetensors"
 #: Scale of the B factors: the merged delta stays small next to the base weights.
@@ -76,7 +75,7 @@ def write_trainer_dump(config: Mapping[str, Any], dst: str | Path, *, rank: int 
 
     check_dst(dst, [])
     # what `lora export` and every adapter reader refuse: a dump they cannot take is not written
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+    if not positive_number(alpha):
         raise ConfigError(f"--lora-alpha {alpha}: must be a positive number")
     shapes = trainer_shapes(ModelDims.from_config(config), rank)
     nbytes = sum(2 * _numel(s) for s in shapes.values())
